@@ -1,0 +1,1 @@
+"""astrai: one attention entry point for PyTorch models."""

@@ -1,0 +1,188 @@
+// astr::attention and its companions: tensors -> CallDescription -> resolver -> backend.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <cstdlib>
+#include <mutex>
+#include <set>
+#include <string>
+#include <unordered_map>
+
+#include "attention_args.h"
+#include "backends/backends.h"
+#include "dispatch/backend_status.h"
+#include "dispatch/capability.h"
+#include "dispatch/override_stack.h"
+#include "dispatch/resolver.h"
+#include "ops.h"
+
+namespace astr {
+
+namespace {
+
+using dispatch::Backend;
+using dispatch::BackendStatus;
+using dispatch::BackendStatusTable;
+using dispatch::CallDescription;
+using dispatch::Decision;
+using dispatch::OverrideStack;
+using dispatch::Selection;
+
+void warn(const std::string& message) { TORCH_WARN(message); }
+
+std::string to_string(const std::optional<c10::string_view>& text) {
+  return text ? std::string(text->data(), text->size()) : std::string();
+}
+
+std::string environment_backend() {
+  const char* value = std::getenv("ASTR_BACKEND");
+  return value ? std::string(value) : std::string();
+}
+
+std::array<BackendStatus, dispatch::kNumBackends> current_status() {
+  std::array<BackendStatus, dispatch::kNumBackends> status;
+  for (Backend backend : dispatch::kAllBackends) {
+    status[static_cast<int>(backend)] = BackendStatusTable::instance().get(backend);
+  }
+  return status;
+}
+
+Decision decide(const CallDescription& call, const std::optional<c10::string_view>& backend) {
+  Selection selection = dispatch::select_backend(to_string(backend), OverrideStack::current().top(),
+                                                 environment_backend(), &warn);
+  return dispatch::resolve_backend(call, selection, current_status());
+}
+
+// An implicit choice that skipped a backend which is present: say so once per distinct reason.
+// Training calls skipping the cache-only cuda kernels are by design, not a slow path.
+void report_fallback(const Decision& decision, const CallDescription& call) {
+  if (!decision.fell_back || !decision.chosen) return;
+  std::string key = std::string("-> ") + dispatch::backend_name(*decision.chosen);
+  std::string skipped;
+  for (Backend backend : dispatch::kAllBackends) {
+    if (backend == *decision.chosen) break;
+    const auto& reasons = decision.reasons[static_cast<int>(backend)];
+    bool by_design = backend == Backend::kCuda && !call.has_kv_cache &&
+                     decision.selection.source == dispatch::SelectionSource::kDefault;
+    if (reasons.empty() || by_design) continue;
+    skipped += std::string(" ") + dispatch::backend_name(backend) + " (" + reasons.front() + ")";
+  }
+  if (skipped.empty()) return;
+  key += skipped;
+  static std::mutex mutex;
+  static std::set<std::string> reported;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!reported.insert(key).second) return;
+  TORCH_WARN("astr.attention: using ", dispatch::backend_name(*decision.chosen),
+             " (requested: ", decision.selection.name.empty() ? "default" : decision.selection.name,
+             ", ", dispatch::selection_source_name(decision.selection.source),
+             "); skipped", skipped);
+}
+
+}  // namespace
+
+at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                     const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
+                     bool is_causal, std::optional<double> scale,
+                     const std::optional<at::Tensor>& k_cache,
+                     const std::optional<at::Tensor>& v_cache,
+                     const std::optional<at::Tensor>& block_table,
+                     const std::optional<at::Tensor>& seq_lens,
+                     const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+                     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
+  AttentionArgs args{q,           k,        v,          attn_mask,      is_causal,
+                     scale,       k_cache,  v_cache,    block_table,    seq_lens,
+                     query_start_loc, max_query_len, parse_mode(mode)};
+  const CallDescription call = validate_and_describe(args);
+  const Decision decision = decide(call, backend);
+  TORCH_CHECK(decision.chosen.has_value(), decision.error);
+  report_fallback(decision, call);
+  switch (*decision.chosen) {
+    case Backend::kCuda:
+      return cuda_paged(args);
+    case Backend::kFlash:
+      return args.paged() ? flash_paged(args) : flash_dense(args);
+    case Backend::kTorchNative:
+      return args.paged() ? torch_native_paged(args) : torch_native_dense(args);
+  }
+  TORCH_CHECK(false, "unreachable backend");
+}
+
+std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                    const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
+                    bool is_causal, std::optional<double> scale,
+                    const std::optional<at::Tensor>& k_cache,
+                    const std::optional<at::Tensor>& v_cache,
+                    const std::optional<at::Tensor>& block_table,
+                    const std::optional<at::Tensor>& seq_lens,
+                    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+                    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
+  AttentionArgs args{q,           k,        v,          attn_mask,      is_causal,
+                     scale,       k_cache,  v_cache,    block_table,    seq_lens,
+                     query_start_loc, max_query_len, parse_mode(mode)};
+  return decide(validate_and_describe(args), backend).to_json();
+}
+
+std::string check_backend(c10::string_view backend, const at::Tensor& q,
+                          const std::optional<at::Tensor>& k_cache,
+                          const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                          std::optional<c10::string_view> mode, bool placement) {
+  const std::string name(backend.data(), backend.size());
+  const auto parsed = dispatch::parse_backend(name);
+  TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name,
+                    "' (valid: ", dispatch::valid_backend_names(), ")");
+  const CallDescription call = describe_form(q, k_cache, attn_mask, is_causal, parse_mode(mode));
+  const auto reasons = dispatch::rejection_reasons(
+      *parsed, call, BackendStatusTable::instance().get(*parsed),
+      placement ? dispatch::Checks::kAll : dispatch::Checks::kForm);
+  std::string text;
+  for (const auto& reason : reasons) text += reason + "\n";
+  return text;
+}
+
+void push_backend(c10::string_view name) {
+  try {
+    OverrideStack::current().push(std::string(name.data(), name.size()));
+  } catch (const std::invalid_argument& error) {
+    TORCH_CHECK_VALUE(false, error.what());
+  }
+}
+
+void pop_backend() {
+  TORCH_CHECK(OverrideStack::current().depth() > 0,
+              "pop_backend: the attention backend override stack is empty");
+  OverrideStack::current().pop();
+}
+
+std::string selected_backend() {
+  if (auto top = OverrideStack::current().top()) return "context:" + *top;
+  const std::string env = environment_backend();
+  Selection selection = dispatch::select_backend("", std::nullopt, env, &warn);
+  if (selection.source == dispatch::SelectionSource::kEnvironment) {
+    return "environment:" + selection.name;
+  }
+  return "";
+}
+
+void set_backend_status(c10::string_view backend, bool available, c10::string_view reason,
+                        int64_t version) {
+  const std::string name(backend.data(), backend.size());
+  const auto parsed = dispatch::parse_backend(name);
+  TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
+  BackendStatusTable::instance().set(
+      *parsed, {available, std::string(reason.data(), reason.size()), static_cast<int>(version)});
+}
+
+std::string backend_status(c10::string_view backend) {
+  const std::string name(backend.data(), backend.size());
+  const auto parsed = dispatch::parse_backend(name);
+  TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
+  const BackendStatus status = BackendStatusTable::instance().get(*parsed);
+  std::string reason;
+  for (char c : status.reason) reason += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+  return std::string("{\"available\": ") + (status.available ? "true" : "false") +
+         ", \"reason\": \"" + reason + "\", \"version\": " + std::to_string(status.version) + "}";
+}
+
+}  // namespace astr

@@ -1,0 +1,47 @@
+// One attention call's arguments, validated, as the backends receive them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "dispatch/call_description.h"
+
+namespace astr {
+
+struct AttentionArgs {
+  const at::Tensor& q;                       // dense [B,Lq,Hq,D] | paged [T,Hq,D]
+  const std::optional<at::Tensor>& k;        // dense [B,Lk,Hkv,D]
+  const std::optional<at::Tensor>& v;        // dense [B,Lk,Hkv,Dv]
+  const std::optional<at::Tensor>& attn_mask;  // dense: broadcastable to [B,Hq,Lq,Lk]; paged [T,K]
+  bool is_causal;
+  std::optional<double> scale;
+  const std::optional<at::Tensor>& k_cache;          // [P,S,Hkv,D]
+  const std::optional<at::Tensor>& v_cache;          // [P,S,Hkv,Dv]
+  const std::optional<at::Tensor>& block_table;      // int32 [B,W]
+  const std::optional<at::Tensor>& seq_lens;         // int32 [B], cached + new tokens
+  const std::optional<at::Tensor>& query_start_loc;  // int32 [B+1]; optional for decode
+  int64_t max_query_len;
+  dispatch::Mode mode;
+
+  bool paged() const { return k_cache.has_value(); }
+  bool decode() const { return paged() && mode == dispatch::Mode::kDecode; }
+  int64_t head_dim() const { return q.size(-1); }
+  double resolved_scale() const;
+};
+
+// Parses `mode` ("prefill", "decode" or None) naming the argument on error.
+dispatch::Mode parse_mode(std::optional<c10::string_view> mode);
+
+// Checks shapes, dtypes and devices (and, for CPU tensors, the paged metadata's values) with
+// errors that name the argument; then describes the call for the resolver.
+dispatch::CallDescription validate_and_describe(const AttentionArgs& args);
+
+// The resolver's description from q alone (check_backend): kv heads assumed equal to q heads
+// unless a cache says otherwise.
+dispatch::CallDescription describe_form(const at::Tensor& q,
+                                        const std::optional<at::Tensor>& k_cache,
+                                        const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                                        dispatch::Mode mode);
+
+}  // namespace astr

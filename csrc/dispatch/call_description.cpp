@@ -1,0 +1,73 @@
+#include "call_description.h"
+
+namespace astr::dispatch {
+
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::kCuda:
+      return "cuda";
+    case Backend::kFlash:
+      return "flash";
+    case Backend::kTorchNative:
+      return "torch_native";
+  }
+  return "unknown";
+}
+
+std::optional<Backend> parse_backend(std::string_view name) {
+  for (Backend backend : kAllBackends) {
+    if (name == backend_name(backend)) return backend;
+  }
+  return std::nullopt;
+}
+
+std::string valid_backend_names() {
+  std::string names;
+  for (Backend backend : kAllBackends) {
+    if (!names.empty()) names += ", ";
+    names += backend_name(backend);
+  }
+  return names;
+}
+
+const char* scalar_kind_name(ScalarKind kind) {
+  switch (kind) {
+    case ScalarKind::kFloat16:
+      return "float16";
+    case ScalarKind::kBFloat16:
+      return "bfloat16";
+    case ScalarKind::kFloat32:
+      return "float32";
+    case ScalarKind::kFloat64:
+      return "float64";
+    case ScalarKind::kOther:
+      return "other";
+  }
+  return "other";
+}
+
+const char* device_kind_name(DeviceKind kind) {
+  switch (kind) {
+    case DeviceKind::kCPU:
+      return "cpu";
+    case DeviceKind::kCUDA:
+      return "cuda";
+    case DeviceKind::kOther:
+      return "other";
+  }
+  return "other";
+}
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kTraining:
+      return "training";
+    case Mode::kPrefill:
+      return "prefill";
+    case Mode::kDecode:
+      return "decode";
+  }
+  return "unknown";
+}
+
+}  // namespace astr::dispatch

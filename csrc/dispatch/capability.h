@@ -1,0 +1,27 @@
+// Capability rules: which backend can run which call. They live here and only here; the Python
+// classes ask through the `astr::check_backend` op.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "backend_status.h"
+#include "call_description.h"
+
+namespace astr::dispatch {
+
+// Supported head dims of our CUDA kernels (csrc/kernels); kept beside the other cuda rules.
+constexpr int kCudaHeadDims[] = {64, 128, 256};
+constexpr int kCudaMinArch = 80;
+constexpr int kMaxPageSize = 256;
+
+enum class Checks {
+  kForm,  // dtype, head dim, cache, page size, mask, mode, gradients: the call's form
+  kAll,   // kForm plus placement: built/installed, device and GPU arch
+};
+
+// Every reason `backend` cannot run `call`; empty when it can.
+std::vector<std::string> rejection_reasons(Backend backend, const CallDescription& call,
+                                           const BackendStatus& status, Checks checks);
+
+}  // namespace astr::dispatch

@@ -1,0 +1,39 @@
+// Host entry points of the paged-KV-cache kernels. Torch-free: the binding layer
+// (csrc/backends/*_cuda.cu) fills the parameter structs and raises on a returned error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "paged_attention_params.h"
+
+namespace astrai::kernels {
+
+// Result of a launch: empty `error` on success, otherwise a message for the user (an unsupported
+// configuration, or the CUDA error reported right after the launch).
+struct LaunchStatus {
+  std::string error;
+  bool ok() const { return error.empty(); }
+};
+
+// Head dims that have compiled attention kernels (append_kv takes any D with 16-byte rows).
+bool is_supported_head_dim(int head_dim);
+// "unsupported head_dim 96 (supported: 64, 128, 256)"
+std::string unsupported_head_dim_message(int head_dim);
+
+LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream);
+
+// Split count for a decode call, from shapes only (never from seq_lens' values): so a captured
+// graph stays valid as lengths grow. max_kv_len = block_table width * page size.
+int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int max_kv_len,
+                            int head_dim, int num_sms);
+// Float workspace the decode needs for `num_splits` (0 when num_splits == 1).
+size_t paged_decode_workspace_floats(int num_splits, int num_tokens, int num_q_heads,
+                                     int head_dim);
+
+LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t stream);
+LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t stream);
+
+}  // namespace astrai::kernels

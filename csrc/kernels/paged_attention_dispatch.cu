@@ -1,0 +1,139 @@
+// Host side of the paged attention kernels: head-dim/dtype dispatch, the split-KV heuristic and the
+// checks that need no data. The instantiations live in paged_{decode,prefill}_hdim*.cu.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "launch.h"
+#include "paged_attention_kernel.cuh"
+
+namespace astrai::kernels {
+
+bool is_supported_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+std::string unsupported_head_dim_message(int head_dim) {
+  return "unsupported head_dim " + std::to_string(head_dim) + " (supported: 64, 128, 256)";
+}
+
+namespace {
+
+template <int D, bool kDecode>
+LaunchStatus run_for_dtype(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
+  switch (args.base.dtype) {
+    case ScalarType::kBFloat16:
+      return run_paged_attention<D, __nv_bfloat16, kDecode>(args, grid_rows, stream);
+    case ScalarType::kFloat16:
+      return run_paged_attention<D, __half, kDecode>(args, grid_rows, stream);
+    default:
+      return {"unsupported dtype for paged attention (supported: bfloat16, float16)"};
+  }
+}
+
+template <bool kDecode>
+LaunchStatus run_for_head_dim(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
+  switch (args.base.head_dim) {
+    case 64:
+      return run_for_dtype<64, kDecode>(args, grid_rows, stream);
+    case 128:
+      return run_for_dtype<128, kDecode>(args, grid_rows, stream);
+    case 256:
+      return run_for_dtype<256, kDecode>(args, grid_rows, stream);
+    default:
+      return {unsupported_head_dim_message(args.base.head_dim)};
+  }
+}
+
+int blocks_per_sm_for_decode(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return PagedAttentionTraits<64, true>::kBlocksPerSm;
+    case 128:
+      return PagedAttentionTraits<128, true>::kBlocksPerSm;
+    default:
+      return PagedAttentionTraits<256, true>::kBlocksPerSm;
+  }
+}
+
+LaunchStatus check_common(const PagedAttentionParams& p) {
+  if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
+    return {"num_q_heads must be a positive multiple of num_kv_heads"};
+  if (p.log2_page_size < 0 || p.log2_page_size > 30) return {"page size must be a power of two"};
+  return {};
+}
+
+}  // namespace
+
+int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int max_kv_len,
+                            int head_dim, int num_sms) {
+  // Time ~ waves x (tiles per split + 1): the +1 stands for a split's fixed cost (prologue latency,
+  // its share of the merge). Picks e.g. B=1,Hkv=8,L=32768 -> 32 splits (256 blocks, one wave on
+  // 132 SMs x 2); B=16,Hkv=8,L=4096 -> 2; B=64 -> 1. FlashDecoding's argument: fill the SMs.
+  constexpr int kTileN = 64;
+  if (num_seqs <= 0 || num_kv_heads <= 0 || max_kv_len <= kTileN) return 1;
+  const int group = std::max(1, num_q_heads / num_kv_heads);
+  const int64_t blocks = (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
+  const int64_t slots = (int64_t)std::max(1, num_sms) * std::max(1, blocks_per_sm_for_decode(head_dim));
+  const int64_t tiles = (max_kv_len + kTileN - 1) / kTileN;
+  const int max_splits = static_cast<int>(std::min<int64_t>(std::min<int64_t>(tiles, 256), 65535));
+  int best = 1;
+  int64_t best_cost = INT64_MAX;
+  for (int s = 1; s <= max_splits; ++s) {
+    const int64_t waves = (blocks * s + slots - 1) / slots;
+    const int64_t cost = waves * ((tiles + s - 1) / s + 1);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
+size_t paged_decode_workspace_floats(int num_splits, int num_tokens, int num_q_heads,
+                                     int head_dim) {
+  if (num_splits <= 1) return 0;
+  return (size_t)num_splits * num_tokens * num_q_heads * (head_dim + 1);
+}
+
+LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t stream) {
+  if (!is_supported_head_dim(params.head_dim)) return {unsupported_head_dim_message(params.head_dim)};
+  LaunchStatus status = check_common(params);
+  if (!status.ok()) return status;
+  if (params.num_tokens != params.num_seqs) return {"decode needs one query token per sequence"};
+  if (params.num_splits < 1 || params.num_splits > 65535) return {"num_splits out of range"};
+  if (params.num_splits > 1 && params.workspace == nullptr)
+    return {"decode with num_splits > 1 needs a workspace"};
+  if (params.num_tokens == 0) return {};
+  PagedKernelArgs args{};
+  args.base = params;
+  args.query_start_loc = nullptr;
+  args.num_splits = params.num_splits;
+  const size_t rows = (size_t)params.num_splits * params.num_tokens * params.num_q_heads;
+  args.partial_out = params.workspace;
+  args.partial_lse = params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
+  args.scale_log2 = params.scale * 1.4426950408889634f;
+  const int group = params.num_q_heads / params.num_kv_heads;
+  return run_for_head_dim<true>(args, group, stream);
+}
+
+LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t stream) {
+  if (!is_supported_head_dim(params.head_dim)) return {unsupported_head_dim_message(params.head_dim)};
+  LaunchStatus status = check_common(params);
+  if (!status.ok()) return status;
+  if (params.query_start_loc == nullptr) return {"prefill needs query_start_loc"};
+  if (params.num_tokens == 0 || params.num_seqs == 0 || params.max_query_len <= 0) return {};
+  PagedKernelArgs args{};
+  args.base = params;
+  args.query_start_loc = params.query_start_loc;
+  args.num_splits = 1;
+  args.scale_log2 = params.scale * 1.4426950408889634f;
+  const int group = params.num_q_heads / params.num_kv_heads;
+  const int64_t rows = (int64_t)params.max_query_len * group;
+  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
+  return run_for_head_dim<false>(args, static_cast<int>(rows), stream);
+}
+
+}  // namespace astrai::kernels

@@ -1,0 +1,490 @@
+// Paged attention kernel template (decode and prefill) and the split-KV merge kernel.
+// Included only by the per-head-dim instantiation files; see paged_attention_traits.h for the design.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "device_primitives.cuh"
+#include "launch.h"
+#include "paged_attention_params.h"
+#include "paged_attention_traits.h"
+
+namespace astrai::kernels {
+
+// Everything the kernel reads, flattened from PagedDecodeParams / PagedPrefillParams.
+struct PagedKernelArgs {
+  PagedAttentionParams base;
+  const int32_t* query_start_loc;  // [B + 1], null in decode (token b = sequence b)
+  int num_splits;                  // decode: kv chunks per sequence (grid z)
+  float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
+  float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
+  float scale_log2;                // scale * log2(e): softmax runs on exp2
+};
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads)
+    paged_attention_kernel(const __grid_constant__ PagedKernelArgs args) {
+  constexpr int D = Traits::kHeadDim;
+  constexpr int kChunks = Traits::kChunksPerRow;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kTileN = Traits::kTileN;
+  constexpr int kWarpTileN = Traits::kWarpTileN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kMRep = Traits::kRowBlocksPerWarp;
+  constexpr int kBlockRows = Traits::kBlockRows;
+  constexpr bool kDecode = Traits::kDecode;
+  constexpr float kNegInf = -INFINITY;
+
+  const PagedAttentionParams& p = args.base;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* q_smem = reinterpret_cast<T*>(smem_raw);
+  T* k_smem = q_smem + Traits::kQSmemElements;
+  T* v_smem = k_smem + Traits::kKVSmemElements;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int seq = blockIdx.x / p.num_kv_heads;
+  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  // Prefill: heavy (late, causal) row tiles first.
+  const int row_tile = kDecode ? blockIdx.y : gridDim.y - 1 - blockIdx.y;
+  const int split = kDecode ? blockIdx.z : 0;
+
+  const int seq_len = p.seq_lens[seq];
+  int q_start, q_len;
+  if constexpr (kDecode) {
+    q_start = seq;
+    q_len = 1;
+  } else {
+    q_start = args.query_start_loc[seq];
+    q_len = args.query_start_loc[seq + 1] - q_start;
+  }
+  const int num_rows = q_len * group;
+  const int row0 = row_tile * kBlockRows;
+  if (row0 >= num_rows) return;
+  const int first_pos = seq_len - q_len;  // kv position of new token 0
+
+  // kv range of this block: [kv_begin, kv_end).
+  int kv_end = seq_len;
+  if (p.is_causal) {
+    const int last_token = (min(row0 + kBlockRows, num_rows) - 1) / group;
+    kv_end = min(kv_end, first_pos + last_token + 1);
+  }
+  if (p.attn_mask != nullptr) kv_end = min(kv_end, p.mask_kv_len);
+  int kv_begin = 0;
+  if constexpr (kDecode) {
+    // Chunk from the real length, so the split count (grid) can come from shapes alone.
+    const int per_split = (max(kv_end, 0) + args.num_splits - 1) / args.num_splits;
+    const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
+    kv_begin = split * chunk;
+    kv_end = min(kv_end, kv_begin + chunk);
+  }
+  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kTileN - 1) / kTileN : 0;
+
+  // ---- global -> shared copies -------------------------------------------------------------
+  const T* q_base = static_cast<const T*>(p.q);
+  auto load_q = [&]() {
+#pragma unroll
+    for (int i = 0; i < kBlockRows * kChunks / kThreads; ++i) {
+      const int c = tid + i * kThreads;
+      const int r = c / kChunks, ch = c % kChunks;
+      const int row = row0 + r;
+      const bool valid = row < num_rows;
+      const T* src = q_base;
+      if (valid) {
+        const int token = q_start + row / group;
+        const int head = kv_head * group + row % group;
+        src = q_base + token * p.q_stride_token + head * p.q_stride_head + ch * 8;
+      }
+      cp_async_16(shared_address(q_smem + tile_offset<D>(r, ch)), src, valid);
+    }
+  };
+  const T* k_base = static_cast<const T*>(p.k_cache);
+  const T* v_base = static_cast<const T*>(p.v_cache);
+  const int32_t* block_table = p.block_table + seq * p.block_table_stride;
+  const int page_mask = (1 << p.log2_page_size) - 1;
+  auto load_kv = [&](int tile, int stage) {
+    const int pos0 = kv_begin + tile * kTileN;
+    T* k_dst = k_smem + stage * kTileN * Traits::kRowStride;
+    T* v_dst = v_smem + stage * kTileN * Traits::kRowStride;
+#pragma unroll
+    for (int i = 0; i < kTileN * kChunks / kThreads; ++i) {
+      const int c = tid + i * kThreads;
+      const int r = c / kChunks, ch = c % kChunks;
+      const int pos = pos0 + r;
+      const bool valid = pos < kv_end;
+      const T* k_src = k_base;
+      const T* v_src = v_base;
+      if (valid) {
+        const int64_t page = block_table[pos >> p.log2_page_size];
+        const int64_t slot = pos & page_mask;
+        k_src = k_base + page * p.k_stride_page + slot * p.k_stride_slot +
+                kv_head * p.k_stride_head + ch * 8;
+        v_src = v_base + page * p.v_stride_page + slot * p.v_stride_slot +
+                kv_head * p.v_stride_head + ch * 8;
+      }
+      const int offset = tile_offset<D>(r, ch);
+      cp_async_16(shared_address(k_dst + offset), k_src, valid);
+      cp_async_16(shared_address(v_dst + offset), v_src, valid);
+    }
+  };
+
+  // ---- per-warp state ----------------------------------------------------------------------
+  // Rows of this warp: decode, the block's 16 rows (warps split kv); prefill, kMRep x 16 rows.
+  const int warp_row0 = kDecode ? 0 : warp * 16 * kMRep;
+  const int warp_col0 = kDecode ? warp * kWarpTileN : 0;  // kv offset inside the tile
+  const int lane_row = lane / 4;       // fragment row (and +8)
+  const int lane_col = (lane % 4) * 2;  // fragment column pair
+
+  float o_acc[kMRep][D / 8][4];
+  float row_max[kMRep][2];  // running max of scaled scores (log2 domain)
+  float row_sum[kMRep][2];  // running sum of exp2, this lane's columns only
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi) {
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mi][dt][e] = 0.f;
+    row_max[mi][0] = row_max[mi][1] = kNegInf;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+  uint32_t q_frag[Traits::kQInRegisters ? kMRep : 1][Traits::kQInRegisters ? D / 16 : 1][4];
+
+  auto load_q_fragment = [&](int mi, int ks, uint32_t(&a)[4]) {
+    const int r = warp_row0 + mi * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+    const int ch = ks * 2 + lane / 16;
+    ldmatrix_x4(shared_address(q_smem + tile_offset<D>(r, ch)), a);
+  };
+
+  // ---- pipeline prologue ---------------------------------------------------------------------
+  load_q();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) load_kv(s, s);
+    cp_async_commit();  // one group per stage, empty or not, keeps the wait counts uniform
+  }
+
+  const float scale_log2 = args.scale_log2;
+  const bool* mask = p.attn_mask;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int next = tile + kStages - 1;
+    if (next < num_tiles) load_kv(next, next % kStages);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+
+    if constexpr (Traits::kQInRegisters) {
+      if (tile == 0) {
+#pragma unroll
+        for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks) load_q_fragment(mi, ks, q_frag[mi][ks]);
+      }
+    }
+
+    const int stage = tile % kStages;
+    const T* k_tile = k_smem + stage * kTileN * Traits::kRowStride;
+    const T* v_tile = v_smem + stage * kTileN * Traits::kRowStride;
+    const int pos0 = kv_begin + tile * kTileN;
+
+    // S = Q K^T for this warp's rows x kWarpTileN kv positions.
+    float s_acc[kMRep][kWarpTileN / 8][4];
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < kWarpTileN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] = 0.f;
+
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[kMRep][4];
+#pragma unroll
+      for (int mi = 0; mi < kMRep; ++mi) {
+        if constexpr (Traits::kQInRegisters) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mi][e] = q_frag[mi][ks][e];
+        } else {
+          load_q_fragment(mi, ks, a[mi]);
+        }
+      }
+#pragma unroll
+      for (int nj = 0; nj < kWarpTileN / 16; ++nj) {
+        uint32_t b[4];
+        const int r = warp_col0 + nj * 16 + (lane % 8) + (lane / 16) * 8;
+        const int ch = ks * 2 + (lane / 8) % 2;
+        ldmatrix_x4(shared_address(k_tile + tile_offset<D>(r, ch)), b);
+#pragma unroll
+        for (int mi = 0; mi < kMRep; ++mi) {
+          mma_m16n8k16<T>(s_acc[mi][2 * nj], a[mi], b[0], b[1]);
+          mma_m16n8k16<T>(s_acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
+        }
+      }
+    }
+
+    // Scale first (log2 domain), then mask: correct for any finite scale, -inf stays -inf.
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < kWarpTileN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] *= scale_log2;
+
+    // Masks: only tiles that cross kv_end, the causal edge of this block, or a user mask.
+    const bool needs_mask = mask != nullptr || pos0 + kTileN > kv_end ||
+                            (p.is_causal && pos0 + kTileN - 1 > first_pos + row0 / group);
+    if (needs_mask) {
+#pragma unroll
+      for (int mi = 0; mi < kMRep; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = row0 + warp_row0 + mi * 16 + lane_row + half * 8;
+          const int token = min(row, max(num_rows - 1, 0)) / group;
+          const int causal_end = p.is_causal ? first_pos + token + 1 : kv_end;
+          const int limit = min(kv_end, causal_end);
+          const bool* mask_row =
+              mask != nullptr ? mask + (int64_t)(q_start + token) * p.mask_stride_token : nullptr;
+#pragma unroll
+          for (int nt = 0; nt < kWarpTileN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int pos = pos0 + warp_col0 + nt * 8 + lane_col + e;
+              bool keep = pos < limit;
+              if (mask_row != nullptr && keep) keep = mask_row[pos];
+              if (!keep) s_acc[mi][nt][half * 2 + e] = kNegInf;
+            }
+          }
+        }
+      }
+    }
+
+    // Online softmax (FlashAttention-2): rescale O and the sum only when the max moves.
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = kNegInf;
+#pragma unroll
+        for (int nt = 0; nt < kWarpTileN / 8; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(s_acc[mi][nt][half * 2], s_acc[mi][nt][half * 2 + 1]));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float new_max = fmaxf(row_max[mi][half], tile_max);
+        // A row with no visible key yet keeps max -inf; subtract 0 then (exp2(-inf) = 0, no NaN).
+        const float base = new_max == kNegInf ? 0.f : new_max;
+        const float alpha = fast_exp2(row_max[mi][half] - base);
+        row_max[mi][half] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kWarpTileN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float prob = fast_exp2(s_acc[mi][nt][half * 2 + e] - base);
+            s_acc[mi][nt][half * 2 + e] = prob;
+            sum += prob;
+          }
+        }
+        row_sum[mi][half] = row_sum[mi][half] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o_acc[mi][dt][half * 2] *= alpha;
+          o_acc[mi][dt][half * 2 + 1] *= alpha;
+        }
+      }
+    }
+
+    // O += P V: the S accumulators of two adjacent n8 tiles are the A fragment of one k16 step.
+#pragma unroll
+    for (int kk = 0; kk < kWarpTileN / 16; ++kk) {
+      uint32_t a[kMRep][4];
+#pragma unroll
+      for (int mi = 0; mi < kMRep; ++mi) {
+        a[mi][0] = pack_pair<T>(s_acc[mi][2 * kk][0], s_acc[mi][2 * kk][1]);
+        a[mi][1] = pack_pair<T>(s_acc[mi][2 * kk][2], s_acc[mi][2 * kk][3]);
+        a[mi][2] = pack_pair<T>(s_acc[mi][2 * kk + 1][0], s_acc[mi][2 * kk + 1][1]);
+        a[mi][3] = pack_pair<T>(s_acc[mi][2 * kk + 1][2], s_acc[mi][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dj = 0; dj < D / 16; ++dj) {
+        uint32_t b[4];
+        const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        const int ch = dj * 2 + lane / 16;
+        ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D>(r, ch)), b);
+#pragma unroll
+        for (int mi = 0; mi < kMRep; ++mi) {
+          mma_m16n8k16<T>(o_acc[mi][2 * dj], a[mi], b[0], b[1]);
+          mma_m16n8k16<T>(o_acc[mi][2 * dj + 1], a[mi], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // the next iteration's copy overwrites this stage
+  }
+  cp_async_wait<0>();
+
+  // Full row sums: the 4 lanes of a quad hold disjoint columns of the same row.
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float s = row_sum[mi][half];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      row_sum[mi][half] = s;
+    }
+
+  T* out = static_cast<T*>(p.out);
+  if constexpr (!kDecode) {
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + warp_row0 + mi * 16 + lane_row + half * 8;
+        if (row >= num_rows) continue;
+        const int token = q_start + row / group;
+        const int head = kv_head * group + row % group;
+        const float inv = row_sum[mi][half] > 0.f ? 1.f / row_sum[mi][half] : 0.f;
+        T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+              pack_pair<T>(o_acc[mi][dt][half * 2] * inv, o_acc[mi][dt][half * 2 + 1] * inv);
+        }
+      }
+    }
+  } else {
+    // Merge the 4 warps' softmax states (each saw a quarter of every tile) through shared memory.
+    __syncthreads();
+    float* merge_o = reinterpret_cast<float*>(k_smem);  // [kWarps][16][kMergeRowStride]
+    float* merge_m = merge_o + Traits::kWarps * 16 * Traits::kMergeRowStride;  // [kWarps][16]
+    float* merge_l = merge_m + Traits::kWarps * 16;                            // [kWarps][16]
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = lane_row + half * 8;
+      float* dst = merge_o + (warp * 16 + r) * Traits::kMergeRowStride + lane_col;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<float2*>(dst + dt * 8) =
+            make_float2(o_acc[0][dt][half * 2], o_acc[0][dt][half * 2 + 1]);
+      if (lane % 4 == 0) {
+        merge_m[warp * 16 + r] = row_max[0][half];
+        merge_l[warp * 16 + r] = row_sum[0][half];
+      }
+    }
+    __syncthreads();
+    const int num_tokens = p.num_tokens;
+    for (int item = tid; item < 16 * (D / 4); item += kThreads) {
+      const int r = item / (D / 4);
+      const int c = (item % (D / 4)) * 4;
+      const int row = row0 + r;
+      if (row >= num_rows) continue;
+      float m = kNegInf;
+#pragma unroll
+      for (int w = 0; w < Traits::kWarps; ++w) m = fmaxf(m, merge_m[w * 16 + r]);
+      float l = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (m != kNegInf) {
+#pragma unroll
+        for (int w = 0; w < Traits::kWarps; ++w) {
+          const float weight = exp2f(merge_m[w * 16 + r] - m);
+          l += merge_l[w * 16 + r] * weight;
+          const float4 o =
+              *reinterpret_cast<const float4*>(merge_o + (w * 16 + r) * Traits::kMergeRowStride + c);
+          acc.x += o.x * weight;
+          acc.y += o.y * weight;
+          acc.z += o.z * weight;
+          acc.w += o.w * weight;
+        }
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int head = kv_head * group + row;
+      if (args.num_splits == 1) {
+        T* dst = out + seq * p.out_stride_token + head * p.out_stride_head + c;
+        uint2 packed;
+        packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
+        packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
+        *reinterpret_cast<uint2*>(dst) = packed;
+      } else {
+        const int64_t index = ((int64_t)split * num_tokens + seq) * p.num_q_heads + head;
+        *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
+            make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+        if (c == 0) args.partial_lse[index] = l > 0.f ? m + log2f(l) : kNegInf;
+      }
+    }
+  }
+}
+
+// out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse). One thread per 4 dims.
+template <typename T, int D>
+__global__ void paged_decode_merge_kernel(const __grid_constant__ PagedKernelArgs args) {
+  const PagedAttentionParams& p = args.base;
+  const int64_t rows = (int64_t)p.num_tokens * p.num_q_heads;
+  const int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (item >= rows * (D / 4)) return;
+  const int64_t row = item / (D / 4);
+  const int c = (item % (D / 4)) * 4;
+  const int token = row / p.num_q_heads;
+  const int head = row % p.num_q_heads;
+  float m = -INFINITY;
+  for (int s = 0; s < args.num_splits; ++s) m = fmaxf(m, args.partial_lse[s * rows + row]);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float l = 0.f;
+  if (m != -INFINITY) {
+    for (int s = 0; s < args.num_splits; ++s) {
+      const float weight = exp2f(args.partial_lse[s * rows + row] - m);
+      const float4 o = *reinterpret_cast<const float4*>(args.partial_out + (s * rows + row) * D + c);
+      l += weight;
+      acc.x += o.x * weight;
+      acc.y += o.y * weight;
+      acc.z += o.z * weight;
+      acc.w += o.w * weight;
+    }
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  T* dst = static_cast<T*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + c;
+  uint2 packed;
+  packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
+  packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(dst) = packed;
+}
+
+inline LaunchStatus status_after_launch(const char* what) {
+  const cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) return {};
+  return {std::string(what) + ": " + cudaGetErrorString(error)};
+}
+
+// Launches one instantiation; grid from shapes only.
+template <int D, typename T, bool kDecode>
+LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
+  using Traits = PagedAttentionTraits<D, kDecode>;
+  auto kernel = paged_attention_kernel<Traits, T>;
+  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           Traits::kSmemBytes);
+  if (error != cudaSuccess) return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
+  const int64_t row_tiles = (grid_rows + Traits::kBlockRows - 1) / Traits::kBlockRows;
+  if (row_tiles > 65535) return {"paged attention: too many query rows for one launch"};
+  const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
+  dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
+            kDecode ? args.num_splits : 1);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+  LaunchStatus status = status_after_launch(kDecode ? "paged_decode_kernel" : "paged_prefill_kernel");
+  if (!status.ok() || !kDecode || args.num_splits == 1) return status;
+  const int64_t items = (int64_t)args.base.num_tokens * args.base.num_q_heads * (D / 4);
+  const int threads = 256;
+  paged_decode_merge_kernel<T, D>
+      <<<static_cast<unsigned>((items + threads - 1) / threads), threads, 0, stream>>>(args);
+  return status_after_launch("paged_decode_merge_kernel");
+}
+
+#define ASTRAI_INSTANTIATE_PAGED_ATTENTION(D, DECODE)                                          \
+  template LaunchStatus run_paged_attention<D, __nv_bfloat16, DECODE>(const PagedKernelArgs&, \
+                                                                      int, cudaStream_t);      \
+  template LaunchStatus run_paged_attention<D, __half, DECODE>(const PagedKernelArgs&, int,    \
+                                                               cudaStream_t);
+
+}  // namespace astrai::kernels

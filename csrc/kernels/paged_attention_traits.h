@@ -1,0 +1,66 @@
+// Tile shapes of the paged attention kernels, one place for every choice.
+//
+// Both kernels run the same warp routine (FlashAttention-2: S = Q K^T and O += P V on
+// mma.sync.m16n8k16 with fp32 accumulators, online softmax in registers) over query "rows" that
+// pack (new token, q head of the GQA group) pairs: row r of kv head h is token r / G, q head
+// h * G + r % G. Packing the group into rows makes every K/V tile loaded into shared memory serve
+// all G q heads that read it.
+//
+// Decode (one token per sequence): a block owns 16 rows (one GQA group, padded to 16; groups larger
+// than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their
+// softmax states through shared memory at the end. The kernel is memory-bound, so the padded rows
+// cost nothing; what matters is bytes in flight: kStages-deep cp.async pipeline per block and
+// kBlocksPerSm blocks resident per SM.
+//
+// Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
+// the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
+// fragment loaded by ldmatrix feeds two mma), which is the limit at one block of 16.
+#pragma once
+
+namespace astrai::kernels {
+
+template <int kHeadDim_, bool kDecode_>
+struct PagedAttentionTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kDecode = kDecode_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row of D elements
+
+  // Decode: 16 rows per block. Prefill: 2 row blocks of 16 per warp up to D = 128 (registers:
+  // O 2x16xD fp32 + S 2x16x64 fp32 fit in 255), 1 at D = 256.
+  static constexpr int kRowBlocksPerWarp = kDecode ? 1 : (kHeadDim <= 128 ? 2 : 1);
+  static constexpr int kBlockRows = kDecode ? 16 : kWarps * 16 * kRowBlocksPerWarp;
+
+  // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each).
+  static constexpr int kTileN = kDecode ? 64 : (kHeadDim <= 64 ? 64 : 32);
+  static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
+
+  // Pipeline depth: decode streams K/V, so as many stages as keep 2 blocks/SM under 227 KB
+  // (D=128: 3 x 32 KB); prefill is compute-bound, double buffering suffices.
+  static constexpr int kStages = kDecode ? (kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 3 : 2)) : 2;
+
+  // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
+  static constexpr bool kQInRegisters = kDecode && kHeadDim <= 128;
+
+  // Shared-memory rows are padded by 8 elements (see tile_offset in device_primitives.cuh).
+  static constexpr int kRowStride = kHeadDim + 8;
+  static constexpr int kQSmemElements = kBlockRows * kRowStride;
+  static constexpr int kKVSmemElements = kStages * kTileN * kRowStride;  // per K and per V
+  static constexpr int kSmemBytes = (kQSmemElements + 2 * kKVSmemElements) * 2;
+
+  // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads
+  // rows so the float2 stores of a warp hit distinct banks) plus m and l per row.
+  static constexpr int kMergeRowStride = kHeadDim + 4;
+  static constexpr int kMergeBytes = kWarps * 16 * (kMergeRowStride + 2) * 4;
+  static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * 2, "merge buffer too large");
+
+  // Used by the split heuristic (resident blocks per SM, from shared memory).
+  static constexpr int kBlocksPerSm = (227 * 1024) / (kSmemBytes + 1024);
+
+  static_assert(kHeadDim % 16 == 0, "mma k-steps of 16");
+  static_assert(kWarpTileN % 16 == 0, "P V consumes kv positions 16 at a time");
+  static_assert((kTileN * kChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
+};
+
+}  // namespace astrai::kernels

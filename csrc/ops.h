@@ -1,0 +1,59 @@
+// Every host entry point of the astr library. Schemas: registration.cpp (the only place that
+// defines them). Shapes: T new query tokens, B sequences, Hq/Hkv heads, D head dim,
+// P pages, S page size, W block-table width.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+namespace astr {
+
+// The one entry point: resolves a backend (csrc/dispatch) and runs it. CompositeImplicitAutograd.
+at::Tensor attention(const at::Tensor& q,                       // dense [B,Lq,Hq,D] | paged [T,Hq,D]
+                     const std::optional<at::Tensor>& k,        // dense [B,Lk,Hkv,D] | paged None
+                     const std::optional<at::Tensor>& v,        // dense [B,Lk,Hkv,Dv] | paged None
+                     const std::optional<at::Tensor>& attn_mask,  // dense bcast [B,Hq,Lq,Lk] | [T,K]
+                     bool is_causal, std::optional<double> scale,
+                     const std::optional<at::Tensor>& k_cache,          // [P,S,Hkv,D]
+                     const std::optional<at::Tensor>& v_cache,          // [P,S,Hkv,Dv]
+                     const std::optional<at::Tensor>& block_table,      // int32 [B,W]
+                     const std::optional<at::Tensor>& seq_lens,         // int32 [B]
+                     const std::optional<at::Tensor>& query_start_loc,  // int32 [B+1]
+                     int64_t max_query_len, std::optional<c10::string_view> mode,
+                     std::optional<c10::string_view> backend);
+
+// Same arguments as `attention`; returns the decision as JSON text instead of running it.
+std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                    const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
+                    bool is_causal, std::optional<double> scale,
+                    const std::optional<at::Tensor>& k_cache,
+                    const std::optional<at::Tensor>& v_cache,
+                    const std::optional<at::Tensor>& block_table,
+                    const std::optional<at::Tensor>& seq_lens,
+                    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+                    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend);
+
+// Reasons `backend` cannot run a call of this form ("" when it can), one per line.
+// `placement` adds the built/installed, device and arch rules.
+std::string check_backend(c10::string_view backend, const at::Tensor& q,
+                          const std::optional<at::Tensor>& k_cache,  // [P,S,Hkv,D]
+                          const std::optional<at::Tensor>& attn_mask, bool is_causal,
+                          std::optional<c10::string_view> mode, bool placement);
+
+// Writes k/v [T,Hkv,D] into the pools [P,S,Hkv,D] at slot_mapping [T] (int32, page*S+offset;
+// negative: skip). CPU kernel here; CUDA kernel in csrc/backends/append_kv_cuda.cu.
+void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                   at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// Override stack, environment and status: the Python API's handles on csrc/dispatch.
+void push_backend(c10::string_view name);
+void pop_backend();
+std::string selected_backend();  // "context:cuda", "environment:torch_native" or ""
+void set_backend_status(c10::string_view backend, bool available, c10::string_view reason,
+                        int64_t version);
+std::string backend_status(c10::string_view backend);  // JSON {available, reason, version}
+std::string build_info();                              // JSON: torch version, CUDA, archs
+
+}  // namespace astr

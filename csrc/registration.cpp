@@ -1,0 +1,54 @@
+// All astr schemas, in one place. Each def is followed by its implementation registrations;
+// the CUDA kernels register under the CUDA key in csrc/backends/*.cu, fakes live in
+// astrai/extension/ops.py.
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(astr, m) {
+  // Attention over dense q/k/v or a paged KV cache; picks the backend (see csrc/dispatch).
+  m.def(
+      "attention(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
+      "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
+      "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
+      "int max_query_len=0, str? mode=None, str? backend=None) -> Tensor");
+  m.impl("attention", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::attention));
+
+  // Writes new tokens' k/v into the paged pools through the slot mapping (mutates both pools).
+  m.def(
+      "append_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.impl("append_kv", c10::DispatchKey::CPU, TORCH_FN(astr::append_kv_cpu));
+
+  // The cuda backend: our paged prefill/decode kernels (CUDA key only; csrc/backends).
+  m.def(
+      "cuda_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, int max_query_len, bool decode, "
+      "Tensor? attn_mask, bool is_causal, float scale) -> Tensor");
+
+  // The resolver's decision for a call, as JSON, without running it.
+  m.def(
+      "explain(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
+      "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
+      "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
+      "int max_query_len=0, str? mode=None, str? backend=None) -> str",
+      &astr::explain);
+
+  // Why a backend cannot run a call of this form ("" when it can).
+  m.def(
+      "check_backend(str backend, Tensor q, Tensor? k_cache, Tensor? attn_mask, bool is_causal, "
+      "str? mode, bool placement) -> str",
+      &astr::check_backend);
+
+  // Thread-local override stack, pushed/popped by attn_backend(...) in Python.
+  m.def("push_backend(str name) -> ()", &astr::push_backend);
+  m.def("pop_backend() -> ()", &astr::pop_backend);
+  // What the user selected (context, then ASTR_BACKEND) as "source:name", or "".
+  m.def("selected_backend() -> str", &astr::selected_backend);
+  // Process-wide availability of a backend (the flash probe writes it) and its reading.
+  m.def("set_backend_status(str backend, bool available, str reason, int version) -> ()",
+        &astr::set_backend_status);
+  m.def("backend_status(str backend) -> str", &astr::backend_status);
+  // How this library was built (torch version, CUDA, archs), as JSON.
+  m.def("build_info() -> str", &astr::build_info);
+}

@@ -1,0 +1,87 @@
+"""Builds astrai's one native library, astrai/_C.so, with torch's cpp_extension (ninja).
+
+CUDA sources are compiled when torch has CUDA and nvcc is found; otherwise a CPU build.
+Environment:
+  ASTR_FORCE_CPU=1        build without CUDA even where it is available
+  TORCH_CUDA_ARCH_LIST    archs to build (default: the local GPU, else "8.0;9.0")
+  MAX_JOBS, NVCC_THREADS  parallelism (honoured by torch's ninja build)
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    if os.environ.get("ASTR_FORCE_CPU", "0") == "1":
+        return False
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def cuda_archs() -> str:
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not archs:
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            archs = f"{major}.{minor}"
+        else:
+            archs = "8.0;9.0"
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    return archs
+
+
+def sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+
+
+def extension():
+    with_cuda = want_cuda()
+    cpp = sources("csrc/**/*.cpp")
+    macros = [
+        ("ASTR_TORCH_VERSION", f'"{torch.__version__}"'),
+        ("Py_LIMITED_API", "0x03090000"),
+    ]
+    cxx_flags = ["-O3"]
+    if not with_cuda:
+        return CppExtension(
+            "astrai._C",
+            cpp,
+            define_macros=macros,
+            extra_compile_args={"cxx": cxx_flags},
+            py_limited_api=True,
+        )
+    archs = cuda_archs()
+    macros += [
+        ("ASTR_WITH_CUDA", "1"),
+        ("ASTR_CUDA_VERSION", f'"{torch.version.cuda}"'),
+        ("ASTR_CUDA_ARCHS", '"' + ",".join("sm_" + a.replace(".", "") for a in archs.split(";")) + '"'),
+    ]
+    nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    threads = os.environ.get("NVCC_THREADS")
+    if threads:
+        nvcc_flags.append(f"--threads={threads}")
+    return CUDAExtension(
+        "astrai._C",
+        cpp + sources("csrc/**/*.cu"),
+        define_macros=macros,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        py_limited_api=True,
+    )
+
+
+setup(
+    name="astrai",
+    version="0.1.0",
+    description="One attention entry point for PyTorch: our paged-KV CUDA kernels, flash-attn, or SDPA",
+    packages=find_packages(include=["astrai", "astrai.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.5"],
+)
