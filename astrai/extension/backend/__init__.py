@@ -1,0 +1,1 @@
+"""Attention backends and their selection."""

@@ -1,0 +1,195 @@
+"""The public attention API: ``attention``, ``attn_backend``, ``get_backend``, ``explain``.
+
+Every choice among the built-in backends is made by the C++ resolver (csrc/dispatch):
+per-call ``backend=`` > ``attn_backend(...)`` context (thread-local) > ``ASTR_BACKEND`` >
+default priority cuda > flash > torch_native. An explicit choice (argument or context) is
+strict; ASTR_BACKEND and the default fall back to the next capable backend. Backends written
+in Python are run here, since C++ cannot call them.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Union
+
+import torch
+
+from .base import CONTEXT, AttentionBackend
+from .builtin import BuiltinBackend
+from .call import attention_op_args, run_builtin
+from .cuda import CudaBackend
+from .factory import AttentionBackendFactory, _instance
+from .flash import FlashAttnBackend, probe_flash
+from .torch_native import TorchNativeBackend
+
+__all__ = [
+    "ATTN_BACKEND",
+    "AttentionBackend",
+    "AttentionBackendFactory",
+    "CudaBackend",
+    "Decision",
+    "FlashAttnBackend",
+    "TorchNativeBackend",
+    "attention",
+    "attn_backend",
+    "explain",
+    "get_backend",
+]
+
+
+class ATTN_BACKEND(str, enum.Enum):
+    CUDA = "cuda"
+    FLASH = "flash"
+    TORCH_NATIVE = "torch_native"
+
+
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package can be used here (probed once, lazily)."""
+    return probe_flash().available
+
+
+@functools.lru_cache(maxsize=None)
+def _priority_backends() -> List[AttentionBackend]:
+    """The available built-in backends, in default priority order."""
+    backends = []
+    if CudaBackend.available():
+        backends.append(_instance(CudaBackend))
+    if flash_attn_available():
+        backends.append(_instance(FlashAttnBackend))
+    backends.append(_instance(TorchNativeBackend))
+    return backends
+
+
+BackendSpec = Union[str, ATTN_BACKEND, AttentionBackend, type, None]
+
+
+def _as_backend(spec: BackendSpec) -> AttentionBackend:
+    if isinstance(spec, AttentionBackend):
+        return spec
+    if isinstance(spec, ATTN_BACKEND):
+        return AttentionBackendFactory.create(spec.value)
+    if isinstance(spec, str):
+        return AttentionBackendFactory.create(spec)
+    if isinstance(spec, type) and issubclass(spec, AttentionBackend):
+        return _instance(spec)
+    raise TypeError(
+        f"backend: expected a name, ATTN_BACKEND, AttentionBackend class or instance, got {spec!r}"
+    )
+
+
+class attn_backend:
+    """Select a backend for the calls made inside the ``with`` block, on this thread only.
+    Strict: a call it cannot run raises, naming every backend and why it was rejected."""
+
+    def __init__(self, backend: BackendSpec):
+        self.backend = _as_backend(backend)
+
+    def __enter__(self) -> AttentionBackend:
+        return self.backend.__enter__()
+
+    def __exit__(self, *exc_info):
+        return self.backend.__exit__(*exc_info)
+
+
+def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
+    """The selected backend: this thread's innermost context, else ASTR_BACKEND, else (when
+    ``use_default``) the first available backend in priority order."""
+    if CONTEXT.backends:
+        return CONTEXT.backends[-1]
+    selected = torch.ops.astr.selected_backend()  # "environment:<name>" or ""
+    if selected.startswith("environment:"):
+        return AttentionBackendFactory.create(selected.split(":", 1)[1])
+    if not use_default:
+        return None
+    return _priority_backends()[0]
+
+
+def _python_backend(backend: BackendSpec) -> Optional[AttentionBackend]:
+    """The backend written in Python that must run this call, if any."""
+    if backend is None:
+        chosen = CONTEXT.backends[-1] if CONTEXT.backends else None
+    else:
+        chosen = _as_backend(backend)
+    if chosen is not None and not isinstance(chosen, BuiltinBackend):
+        return chosen
+    return None
+
+
+def _builtin_name(backend: BackendSpec) -> Optional[str]:
+    if backend is None:
+        return None
+    return _as_backend(backend).name
+
+
+_flash_probed = False
+
+
+def _ensure_probed() -> None:
+    global _flash_probed
+    if not _flash_probed:
+        probe_flash()
+        _flash_probed = True
+
+
+def attention(q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False, fwd=None,
+              backend: BackendSpec = None, scale: Optional[float] = None):
+    """Attention over BLHD q/k/v (``[batch, seq_len, heads, head_dim]``).
+
+    ``fwd=None``: a training call (no cache, differentiable). ``fwd="prefill"``/``"decode"``
+    with ``kv_cache``: k/v (the new tokens) are appended to layer ``layer_id``'s pools, then q
+    attends over the cache using the metadata of ``kv_cache.begin_step(...)``; for a ragged
+    prefill pack the batch's new tokens along dim 1 (``[1, T, heads, head_dim]``).
+    """
+    _ensure_probed()
+    python_backend = _python_backend(backend)
+    if python_backend is not None:
+        return python_backend.forward(q, k, v, kv_cache=kv_cache, layer_id=layer_id,
+                                      attn_mask=attn_mask, is_causal=is_causal, fwd=fwd)
+    return run_builtin(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd,
+                       _builtin_name(backend), scale)
+
+
+@dataclass
+class Decision:
+    """Which backend a call would run on, and why each other one was not taken."""
+
+    backend: Optional[str]
+    source: str  # "argument", "context", "environment" or "default"
+    requested: str = ""
+    fell_back: bool = False
+    error: str = ""
+    rejected: Dict[str, List[str]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend or 'none'} (selection: {self.source}"
+                 + (f" '{self.requested}'" if self.requested else "") + ")"]
+        for name, reasons in self.rejected.items():
+            lines.append(f"  {name}: " + ("; ".join(reasons) if reasons else "can run it"))
+        if self.error:
+            lines.append(f"  error: {self.error}")
+        return "\n".join(lines)
+
+
+def explain(q, k=None, v=None, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False,
+            fwd=None, backend: BackendSpec = None, scale: Optional[float] = None) -> Decision:
+    """The resolver's decision for a call, without running it (nothing is appended)."""
+    _ensure_probed()
+    python_backend = _python_backend(backend)
+    if python_backend is not None:
+        return Decision(type(python_backend).__name__, "argument" if backend else "context")
+    name = _builtin_name(backend)
+    if kv_cache is None:
+        text = torch.ops.astr.explain(q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=name)
+    else:
+        k_pool, v_pool = kv_cache.layer(layer_id)
+        q_tokens = q.reshape(-1, q.shape[-2], q.shape[-1])
+        text = torch.ops.astr.explain(
+            q_tokens, None, None, k_cache=k_pool, v_cache=v_pool, backend=name,
+            **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
+        )
+    data = json.loads(text)
+    return Decision(data["backend"], data["source"], data["requested"], data["fell_back"],
+                    data["error"], data["reasons"])

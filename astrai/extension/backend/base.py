@@ -1,0 +1,78 @@
+"""The AttentionBackend interface: what every backend, built-in or written in Python, offers."""
+
+from __future__ import annotations
+
+import threading
+from typing import List, Optional
+
+import torch
+
+from .. import ops
+
+
+class _ContextStack(threading.local):
+    """This thread's attn_backend(...) contexts, mirroring the C++ override stack."""
+
+    def __init__(self):
+        self.backends: List["AttentionBackend"] = []
+
+
+CONTEXT = _ContextStack()
+
+
+def push_context(backend: "AttentionBackend") -> None:
+    torch.ops.astr.push_backend(backend.override_name())
+    CONTEXT.backends.append(backend)
+
+
+def pop_context(backend: "AttentionBackend") -> None:
+    if not CONTEXT.backends or CONTEXT.backends[-1] is not backend:
+        raise RuntimeError("attn_backend: contexts must be exited in the order they were entered")
+    CONTEXT.backends.pop()
+    torch.ops.astr.pop_backend()
+
+
+class AttentionBackend:
+    """An attention implementation. Subclass it to plug in a backend written in Python: give
+    ``fwd_prefill`` and ``fwd_decode`` (and ``supports_call`` if it cannot run every call), then
+    use it with ``attn_backend(instance)`` or ``attention(..., backend=instance)``.
+
+    Layout: q/k/v are ``[batch, seq_len, heads, head_dim]``; ``fwd=None`` is a training call
+    (no KV cache), ``"prefill"``/``"decode"`` read and append to a paged KV cache.
+    """
+
+    #: The resolver's name for built-in backends; None for backends written in Python.
+    name: Optional[str] = None
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def supports_call(self, q, kv_cache, attn_mask, is_causal, fwd) -> bool:
+        return True
+
+    def fwd_prefill(self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False):
+        raise NotImplementedError
+
+    def fwd_decode(self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False):
+        raise NotImplementedError
+
+    def forward(self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False, fwd=None):
+        method = self.fwd_decode if fwd == "decode" else self.fwd_prefill
+        return method(q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
+                      is_causal=is_causal)
+
+    def override_name(self) -> str:
+        """What the C++ override stack records for this backend."""
+        return self.name if self.name is not None else f"python:{type(self).__qualname__}"
+
+    def __enter__(self):
+        push_context(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        pop_context(self)
+        return False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

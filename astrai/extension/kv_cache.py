@@ -1,0 +1,203 @@
+"""A paged KV cache: per-layer K/V pools of fixed-size pages, pages handed to sequences as
+they grow, and each step's metadata built on the host and copied to the device in one copy.
+
+Pool layout: ``[num_pages, page_size, kv_heads, head_dim]``. A sequence's tokens live in the
+pages its block-table row lists, in order; token ``i`` is at slot ``page * page_size + i %
+page_size`` of page ``block_table[b, i // page_size]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from . import ops
+
+SUPPORTED_PAGE_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ..., 256
+
+
+class KVCacheFullError(RuntimeError):
+    """The step needs more pages than are free; nothing was changed."""
+
+
+@dataclass
+class StepMetadata:
+    """What one forward step over the cache needs, all on the cache's device."""
+
+    block_table: torch.Tensor  # int32 [B, W]: pages of each sequence
+    seq_lens: torch.Tensor  # int32 [B]: cached + new tokens of each sequence
+    query_start_loc: torch.Tensor  # int32 [B + 1]: prefix sums of new tokens
+    slot_mapping: torch.Tensor  # int32 [T]: where each new token's k/v goes
+    max_query_len: int  # most new tokens of any sequence (host int: no op reads lengths back)
+    mode: str  # "decode" when every sequence adds one token, else "prefill"
+
+    def copy_(self, other: "StepMetadata") -> "StepMetadata":
+        """Copy another step's metadata into these tensors in place (same shapes), so that a
+        captured CUDA graph that reads these buffers sees the new step."""
+        for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine.shape != theirs.shape:
+                raise ValueError(
+                    f"{name}: shape {tuple(theirs.shape)} does not match the captured "
+                    f"{tuple(mine.shape)}; build steps with the same batch and block_table_width"
+                )
+            mine.copy_(theirs, non_blocking=True)
+        if other.max_query_len > self.max_query_len:
+            raise ValueError("max_query_len: larger than the captured step's")
+        return self
+
+
+class PagedKVCache:
+    """Per-layer paged K/V pools plus the page allocator and step-metadata builder."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        head_dim_v: Optional[int] = None,
+    ):
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(
+                f"page_size: {page_size} not supported (supported: {list(SUPPORTED_PAGE_SIZES)})"
+            )
+        if num_pages < 1 or num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
+            raise ValueError("num_layers, num_pages, num_kv_heads, head_dim: must be positive")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v or head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape_k = (num_pages, page_size, num_kv_heads, head_dim)
+        shape_v = (num_pages, page_size, num_kv_heads, self.head_dim_v)
+        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._free_pages: List[int] = list(range(num_pages - 1, -1, -1))  # pop() takes page 0 first
+        self._pages: Dict[int, List[int]] = {}
+        self._lengths: Dict[int, int] = {}
+        self.step: Optional[StepMetadata] = None
+
+    # -- sequences and pages -------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lengths.get(seq_id, 0)
+
+    def pages_of(self, seq_id: int) -> List[int]:
+        return list(self._pages.get(seq_id, []))
+
+    def free(self, seq_id: int) -> None:
+        """Return a finished sequence's pages to the pool."""
+        pages = self._pages.pop(seq_id, None)
+        if pages is None:
+            raise KeyError(f"seq_id: {seq_id} is not in the cache")
+        self._lengths.pop(seq_id, None)
+        self._free_pages.extend(reversed(pages))
+
+    def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer_id < self.num_layers:
+            raise IndexError(f"layer_id: {layer_id} out of range for {self.num_layers} layers")
+        return self.k_pools[layer_id], self.v_pools[layer_id]
+
+    # -- steps ---------------------------------------------------------------------------
+    def begin_step(
+        self,
+        seq_ids: Sequence[int],
+        num_new_tokens: Sequence[int],
+        block_table_width: Optional[int] = None,
+    ) -> StepMetadata:
+        """Reserve room for each sequence's new tokens and build the step's metadata.
+
+        A seq_id not yet in the cache starts a new sequence. ``block_table_width`` fixes the
+        block table's width (needed when the step will be replayed by a captured CUDA graph);
+        by default it is the most pages any sequence of this step uses. Raises
+        KVCacheFullError, changing nothing, when the pool has too few free pages.
+        """
+        if len(seq_ids) != len(num_new_tokens) or not seq_ids:
+            raise ValueError("seq_ids, num_new_tokens: expected two non-empty lists of one length")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids: a sequence appears twice in one step")
+        if any(n < 1 for n in num_new_tokens):
+            raise ValueError("num_new_tokens: every sequence must add at least one token")
+        page = self.page_size
+        new_lengths = [self.seq_len(s) + n for s, n in zip(seq_ids, num_new_tokens)]
+        pages_needed = [math.ceil(length / page) for length in new_lengths]
+        extra = sum(max(0, need - len(self._pages.get(s, []))) for s, need in zip(seq_ids, pages_needed))
+        if extra > len(self._free_pages):
+            raise KVCacheFullError(
+                f"KV cache out of pages: this step needs {extra} more pages of {page} tokens, "
+                f"{len(self._free_pages)} of {self.num_pages} are free; free finished sequences "
+                f"or build the cache with more pages"
+            )
+        width = max(pages_needed)
+        if block_table_width is not None:
+            if block_table_width < width:
+                raise ValueError(
+                    f"block_table_width: {block_table_width} pages is fewer than the {width} "
+                    f"this step needs"
+                )
+            width = block_table_width
+
+        for seq_id, need in zip(seq_ids, pages_needed):
+            pages = self._pages.setdefault(seq_id, [])
+            while len(pages) < need:
+                pages.append(self._free_pages.pop())
+
+        batch = len(seq_ids)
+        tokens = sum(num_new_tokens)
+        # One host buffer: block_table | seq_lens | query_start_loc | slot_mapping.
+        host = torch.zeros(batch * width + batch + (batch + 1) + tokens, dtype=torch.int32)
+        table = host[: batch * width].view(batch, width)
+        lens = host[batch * width : batch * width + batch]
+        starts = host[batch * width + batch : batch * width + 2 * batch + 1]
+        slots = host[batch * width + 2 * batch + 1 :]
+        cursor = 0
+        for b, (seq_id, new) in enumerate(zip(seq_ids, num_new_tokens)):
+            pages = self._pages[seq_id]
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            old = self._lengths.get(seq_id, 0)
+            positions = torch.arange(old, old + new)
+            page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page]
+            slots[cursor : cursor + new] = (page_ids * page + positions % page).to(torch.int32)
+            lens[b] = old + new
+            starts[b + 1] = starts[b] + new
+            cursor += new
+            self._lengths[seq_id] = old + new
+
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        device = host.to(self.device, non_blocking=True)
+        self.step = StepMetadata(
+            block_table=device[: batch * width].view(batch, width),
+            seq_lens=device[batch * width : batch * width + batch],
+            query_start_loc=device[batch * width + batch : batch * width + 2 * batch + 1],
+            slot_mapping=device[batch * width + 2 * batch + 1 :],
+            max_query_len=max(num_new_tokens),
+            mode="decode" if all(n == 1 for n in num_new_tokens) else "prefill",
+        )
+        return self.step
+
+    def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this step's new tokens' k/v ``[..., kv_heads, head_dim]`` into a layer's pools."""
+        if self.step is None:
+            raise RuntimeError("kv_cache: call begin_step(...) before appending")
+        k_pool, v_pool = self.layer(layer_id)
+        ops.append_kv(
+            k.reshape(-1, self.num_kv_heads, self.head_dim),
+            v.reshape(-1, self.num_kv_heads, self.head_dim_v),
+            k_pool,
+            v_pool,
+            self.step.slot_mapping,
+        )

@@ -1,0 +1,90 @@
+"""Loads astrai's native library once, checks it matches this torch, and registers the fake
+(meta) kernels of the ops that have device kernels, beside their typed wrappers.
+
+Every other module reaches the native ops through this one.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Optional
+
+import torch
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REBUILD = "rebuild it with: pip install --no-build-isolation --force-reinstall --no-deps ."
+
+
+def _load_library() -> dict:
+    candidates = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "_C*.so")))
+    if not candidates:
+        raise ImportError(f"astrai: native library astrai/_C*.so not found; {_REBUILD}")
+    try:
+        torch.ops.load_library(candidates[0])
+    except OSError as error:
+        raise ImportError(
+            f"astrai: could not load {candidates[0]} ({error}); it was probably built against "
+            f"another torch than {torch.__version__}; {_REBUILD}"
+        ) from error
+    info = json.loads(torch.ops.astr.build_info())
+    if info["torch_version"] != torch.__version__:
+        raise ImportError(
+            f"astrai: the native library was built against torch {info['torch_version']} but "
+            f"torch {torch.__version__} is installed; {_REBUILD}"
+        )
+    return info
+
+
+BUILD_INFO: dict = _load_library()
+
+
+@torch.library.register_fake("astr::cuda_paged_attention")
+def _cuda_paged_attention_fake(
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, decode,
+    attn_mask, is_causal, scale,
+):
+    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
+
+
+@torch.library.register_fake("astr::append_kv")
+def _append_kv_fake(k, v, k_cache, v_cache, slot_mapping):
+    return None
+
+
+def append_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, Dv]
+    k_cache: torch.Tensor,  # [P, S, Hkv, D], written in place
+    v_cache: torch.Tensor,  # [P, S, Hkv, Dv], written in place
+    slot_mapping: torch.Tensor,  # int32 [T], page * S + offset; negative skips the token
+) -> None:
+    torch.ops.astr.append_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def cuda_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [P, S, Hkv, D]
+    v_cache: torch.Tensor,  # [P, S, Hkv, D]
+    block_table: torch.Tensor,  # int32 [B, W]
+    seq_lens: torch.Tensor,  # int32 [B]
+    query_start_loc: torch.Tensor,  # int32 [B + 1]
+    max_query_len: int,
+    decode: bool,
+    attn_mask: Optional[torch.Tensor],  # bool [T, K]
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    return torch.ops.astr.cuda_paged_attention(
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, decode,
+        attn_mask, is_causal, scale,
+    )
+
+
+def backend_status(name: str) -> dict:
+    return json.loads(torch.ops.astr.backend_status(name))
+
+
+def set_backend_status(name: str, available: bool, reason: str, version: int = 0) -> None:
+    torch.ops.astr.set_backend_status(name, available, reason, version)
