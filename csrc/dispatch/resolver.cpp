@@ -154,20 +154,35 @@ std::string describe_reasons(const Decision& decision) {
 }
 
 std::string Decision::to_json() const {
+  // Built by appending: GCC 12 warns (-Wrestrict, a known false positive) on `"\"" + s` chains.
+  auto quoted = [](std::string& out, const std::string& text) {
+    out += '"';
+    out += json_escape(text);
+    out += '"';
+  };
   std::string json = "{\"backend\": ";
-  json += chosen ? "\"" + std::string(backend_name(*chosen)) + "\"" : "null";
-  json += ", \"source\": \"" + std::string(selection_source_name(selection.source)) + "\"";
-  json += ", \"requested\": \"" + json_escape(selection.name) + "\"";
+  if (chosen) {
+    quoted(json, backend_name(*chosen));
+  } else {
+    json += "null";
+  }
+  json += ", \"source\": ";
+  quoted(json, selection_source_name(selection.source));
+  json += ", \"requested\": ";
+  quoted(json, selection.name);
   json += ", \"fell_back\": ";
   json += fell_back ? "true" : "false";
-  json += ", \"error\": \"" + json_escape(error) + "\", \"reasons\": {";
+  json += ", \"error\": ";
+  quoted(json, error);
+  json += ", \"reasons\": {";
   for (Backend backend : kAllBackends) {
     if (backend != Backend::kCuda) json += ", ";
-    json += "\"" + std::string(backend_name(backend)) + "\": [";
+    quoted(json, backend_name(backend));
+    json += ": [";
     const auto& list = reasons[static_cast<int>(backend)];
     for (size_t i = 0; i < list.size(); ++i) {
       if (i) json += ", ";
-      json += "\"" + json_escape(list[i]) + "\"";
+      quoted(json, list[i]);
     }
     json += "]";
   }

@@ -1,0 +1,47 @@
+# The README's two commands: `make demo` (the main job) and `make test` (every test).
+PYTHON ?= python3
+MAX_JOBS ?= $(shell nproc)
+export MAX_JOBS
+
+.PHONY: deps install demo info test test-python test-cpp compile-cuda bench format lint clean
+
+deps:
+	PYTHON=$(PYTHON) bash scripts/install_deps.sh
+
+install: deps
+	$(PYTHON) -m pip install -q --no-build-isolation -e .
+
+demo: install
+	$(PYTHON) -m astrai.demo
+
+info: install
+	$(PYTHON) -m astrai.extension.info
+
+test: install test-python test-cpp
+
+test-python:
+	$(PYTHON) -m pytest -q tests
+
+test-cpp:
+	cmake -S tests/cpp -B build-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+	cmake --build build-cpp
+	ctest --test-dir build-cpp --output-on-failure
+
+compile-cuda:
+	$(PYTHON) scripts/compile_cuda.py
+
+bench: install
+	$(PYTHON) benchmarks/bench_attention.py
+
+format:
+	clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cpp/*.cpp')
+	ruff format astrai tests benchmarks scripts setup.py
+	ruff check --fix astrai tests benchmarks scripts setup.py
+
+lint:
+	clang-format --dry-run -Werror $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cpp/*.cpp')
+	ruff format --check astrai tests benchmarks scripts setup.py
+	ruff check astrai tests benchmarks scripts setup.py
+
+clean:
+	rm -rf build build-cpp build-cu *.egg-info astrai/_C*.so

@@ -1,0 +1,66 @@
+"""``python -m astrai.extension.info``: versions, how the library was built, each backend's
+availability (and why not), and the capability table."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from . import ops
+from .backend.attention import _priority_backends
+from .backend.cuda import CudaBackend, cuda_unavailable_reason
+from .backend.flash import probe_flash
+
+CAPABILITIES = [
+    ("", "cuda", "flash", "torch_native"),
+    ("calls", "paged prefill, decode", "dense, training, paged", "all"),
+    ("devices", "CUDA sm_80+", "CUDA sm_80+ (FA3: sm_90)", "any SDPA device"),
+    ("dtypes", "fp16, bf16", "fp16, bf16", "fp16, bf16, fp32, fp64"),
+    ("head dims", "64, 128, 256", "multiples of 8 up to 256", "any"),
+    ("page sizes", "1, 2, 4, ..., 256", "FA2: multiples of 256; FA3/4: any", "any"),
+    ("masks", "none, causal, bool", "none, causal", "none, causal, bool, additive"),
+    ("gradients", "no", "dense: yes", "yes"),
+]
+
+
+def report() -> str:
+    lines = [
+        f"python        {platform.python_version()}",
+        f"torch         {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
+    ]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            lines.append(f"gpu {i}         {torch.cuda.get_device_name(i)} (sm_{major}{minor})")
+    else:
+        lines.append("gpu           none visible")
+    info = ops.BUILD_INFO
+    lines.append(
+        f"astrai build  torch {info['torch_version']}, "
+        + (f"CUDA {info['cuda_version']} for {info['cuda_archs']}" if info["with_cuda"] else "CPU only")
+    )
+    flash = probe_flash()
+    rows = [
+        ("cuda", CudaBackend.available(), cuda_unavailable_reason() or ops.backend_status("cuda")["reason"]),
+        ("flash", flash.available, flash.reason),
+        ("torch_native", True, "at::scaled_dot_product_attention"),
+    ]
+    lines.append("")
+    lines.append("backend        available  why")
+    for name, available, why in rows:
+        lines.append(f"{name:<14} {'yes' if available else 'no':<10} {why}")
+    lines.append("default order: " + " > ".join(b.name for b in _priority_backends()))
+    lines.append("")
+    widths = [max(len(row[i]) for row in CAPABILITIES) for i in range(4)]
+    for row in CAPABILITIES:
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def main() -> None:
+    print(report())
+
+
+if __name__ == "__main__":
+    main()

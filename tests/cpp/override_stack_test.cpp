@@ -1,0 +1,74 @@
+// The thread-local override stack: nesting, validation, and one stack per thread.
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "override_stack.h"
+
+namespace astr::dispatch {
+namespace {
+
+class OverrideStackTest : public ::testing::Test {
+ protected:
+  void SetUp() override { OverrideStack::current().clear(); }
+  void TearDown() override { OverrideStack::current().clear(); }
+};
+
+TEST_F(OverrideStackTest, EmptyStackHasNoTop) {
+  EXPECT_FALSE(OverrideStack::current().top().has_value());
+}
+
+TEST_F(OverrideStackTest, InnermostPushWinsAndPopRestoresOuter) {
+  auto& stack = OverrideStack::current();
+  stack.push("torch_native");
+  stack.push("cuda");
+  EXPECT_EQ(stack.top(), "cuda");
+  stack.pop();
+  EXPECT_EQ(stack.top(), "torch_native");
+  stack.pop();
+  EXPECT_FALSE(stack.top().has_value());
+}
+
+TEST_F(OverrideStackTest, UnknownNameIsRejectedAndNotPushed) {
+  auto& stack = OverrideStack::current();
+  EXPECT_THROW(stack.push("sdpa"), std::invalid_argument);
+  EXPECT_EQ(stack.depth(), 0u);
+}
+
+TEST_F(OverrideStackTest, PythonBackendMarkerIsAccepted) {
+  OverrideStack::current().push("python:MyBackend");
+  EXPECT_EQ(OverrideStack::current().top(), "python:MyBackend");
+  EXPECT_THROW(OverrideStack::current().push("python:"), std::invalid_argument);
+}
+
+TEST_F(OverrideStackTest, PopOnEmptyStackThrows) {
+  EXPECT_THROW(OverrideStack::current().pop(), std::logic_error);
+}
+
+TEST_F(OverrideStackTest, EachThreadSeesOnlyItsOwnPushes) {
+  std::barrier both_pushed(2);
+  std::string seen_a, seen_b;
+  std::thread a([&] {
+    OverrideStack::current().push("cuda");
+    both_pushed.arrive_and_wait();
+    seen_a = OverrideStack::current().top().value_or("");
+    OverrideStack::current().pop();
+  });
+  std::thread b([&] {
+    OverrideStack::current().push("torch_native");
+    both_pushed.arrive_and_wait();
+    seen_b = OverrideStack::current().top().value_or("");
+    OverrideStack::current().pop();
+  });
+  a.join();
+  b.join();
+  EXPECT_EQ(seen_a, "cuda");
+  EXPECT_EQ(seen_b, "torch_native");
+  EXPECT_FALSE(OverrideStack::current().top().has_value());  // the main thread pushed nothing
+}
+
+}  // namespace
+}  // namespace astr::dispatch

@@ -1,0 +1,225 @@
+// The resolver: precedence of choices, strict explicit choices, fallback of implicit ones, and
+// the capability rules of each backend.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "capability.h"
+#include "resolver.h"
+
+namespace astr::dispatch {
+namespace {
+
+std::string last_warning;
+int warnings = 0;
+void record_warning(const std::string& message) {
+  last_warning = message;
+  ++warnings;
+}
+
+std::array<BackendStatus, kNumBackends> all_available() {
+  return {BackendStatus{true, "", 0}, BackendStatus{true, "", 2}, BackendStatus{true, "", 0}};
+}
+
+std::array<BackendStatus, kNumBackends> only_torch_native() {
+  return {BackendStatus{false, "library built without CUDA kernels", 0},
+          BackendStatus{false, "flash-attn not importable", 0}, BackendStatus{true, "", 0}};
+}
+
+// A bf16 decode over a page_size-16 cache on an H100/H200: every backend's sweet spot but flash
+// (FlashAttention-2 wants 256-token pages).
+CallDescription paged_decode() {
+  CallDescription call;
+  call.dtype = ScalarKind::kBFloat16;
+  call.device = DeviceKind::kCUDA;
+  call.arch = 90;
+  call.q_rank = 3;
+  call.head_dim = call.head_dim_v = 128;
+  call.num_q_heads = 32;
+  call.num_kv_heads = 8;
+  call.has_kv_cache = true;
+  call.page_size = 16;
+  call.mode = Mode::kDecode;
+  return call;
+}
+
+CallDescription dense_training() {
+  CallDescription call = paged_decode();
+  call.q_rank = 4;
+  call.has_kv_cache = false;
+  call.page_size = 0;
+  call.mode = Mode::kTraining;
+  call.needs_grad = true;
+  call.is_causal = true;
+  return call;
+}
+
+bool mentions(const std::vector<std::string>& reasons, const std::string& text) {
+  for (const auto& reason : reasons) {
+    if (reason.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(SelectBackend, ArgumentBeatsContextBeatsEnvironment) {
+  EXPECT_EQ(select_backend("flash", "cuda", "torch_native", nullptr).name, "flash");
+  EXPECT_EQ(select_backend("", "cuda", "torch_native", nullptr).name, "cuda");
+  EXPECT_EQ(select_backend("", std::nullopt, "torch_native", nullptr).name, "torch_native");
+  EXPECT_EQ(select_backend("", std::nullopt, "", nullptr).source, SelectionSource::kDefault);
+}
+
+TEST(SelectBackend, OnlyArgumentAndContextAreStrict) {
+  EXPECT_TRUE(select_backend("cuda", std::nullopt, "", nullptr).is_strict());
+  EXPECT_TRUE(select_backend("", "cuda", "", nullptr).is_strict());
+  EXPECT_FALSE(select_backend("", std::nullopt, "cuda", nullptr).is_strict());
+}
+
+TEST(SelectBackend, UnknownArgumentThrows) {
+  EXPECT_THROW(select_backend("fast", std::nullopt, "", nullptr), std::invalid_argument);
+}
+
+TEST(SelectBackend, UnknownEnvironmentValueWarnsOnceNamingValidBackends) {
+  warnings = 0;
+  Selection first = select_backend("", std::nullopt, "cudaa", &record_warning);
+  Selection second = select_backend("", std::nullopt, "cudaa", &record_warning);
+  EXPECT_EQ(first.source, SelectionSource::kDefault);
+  EXPECT_EQ(second.source, SelectionSource::kDefault);
+  EXPECT_EQ(warnings, 1);
+  EXPECT_NE(last_warning.find("cuda, flash, torch_native"), std::string::npos);
+}
+
+TEST(ResolveBackend, DefaultPriorityPicksCudaForPagedDecode) {
+  Decision decision = resolve_backend(paged_decode(), {}, all_available());
+  ASSERT_TRUE(decision.chosen.has_value());
+  EXPECT_EQ(*decision.chosen, Backend::kCuda);
+  EXPECT_FALSE(decision.fell_back);
+}
+
+TEST(ResolveBackend, TrainingSkipsCacheOnlyCudaAndPrefersFlash) {
+  Decision decision = resolve_backend(dense_training(), {}, all_available());
+  ASSERT_TRUE(decision.chosen.has_value());
+  EXPECT_EQ(*decision.chosen, Backend::kFlash);
+  EXPECT_TRUE(mentions(decision.reasons[0], "needs a paged KV cache"));
+}
+
+TEST(ResolveBackend, MaskedTrainingFallsBackToTorchNative) {
+  CallDescription call = dense_training();
+  call.mask = MaskForm::kBoolean;
+  Decision decision = resolve_backend(call, {}, all_available());
+  ASSERT_TRUE(decision.chosen.has_value());
+  EXPECT_EQ(*decision.chosen, Backend::kTorchNative);
+  EXPECT_TRUE(mentions(decision.reasons[1], "custom attention mask"));
+}
+
+TEST(ResolveBackend, EnvironmentChoiceFallsBackWhenIncapable) {
+  CallDescription call = paged_decode();
+  call.dtype = ScalarKind::kFloat32;
+  Selection env{SelectionSource::kEnvironment, "cuda"};
+  Decision decision = resolve_backend(call, env, all_available());
+  ASSERT_TRUE(decision.chosen.has_value());
+  EXPECT_EQ(*decision.chosen, Backend::kTorchNative);
+  EXPECT_TRUE(decision.fell_back);
+}
+
+TEST(ResolveBackend, ExplicitChoiceNeverFallsBackAndListsEveryBackend) {
+  CallDescription call = paged_decode();
+  call.dtype = ScalarKind::kFloat32;
+  Selection context{SelectionSource::kContext, "cuda"};
+  Decision decision = resolve_backend(call, context, all_available());
+  EXPECT_FALSE(decision.chosen.has_value());
+  EXPECT_NE(decision.error.find("Explicitly-set backend 'cuda'"), std::string::npos);
+  EXPECT_NE(decision.error.find("dtype float32 not supported"), std::string::npos);
+  EXPECT_NE(decision.error.find("flash:"), std::string::npos);
+  EXPECT_NE(decision.error.find("torch_native: can run it"), std::string::npos);
+}
+
+TEST(ResolveBackend, ExplicitPythonBackendCannotRunInCpp) {
+  Selection context{SelectionSource::kContext, "python:Mine"};
+  Decision decision = resolve_backend(paged_decode(), context, all_available());
+  EXPECT_FALSE(decision.chosen.has_value());
+  EXPECT_NE(decision.error.find("written in Python"), std::string::npos);
+}
+
+TEST(ResolveBackend, UnavailableBackendsAreSkippedWithTheirReason) {
+  Decision decision = resolve_backend(paged_decode(), {}, only_torch_native());
+  ASSERT_TRUE(decision.chosen.has_value());
+  EXPECT_EQ(*decision.chosen, Backend::kTorchNative);
+  EXPECT_TRUE(mentions(decision.reasons[0], "built without CUDA"));
+  EXPECT_FALSE(decision.fell_back);  // nothing present was skipped
+}
+
+TEST(ResolveBackend, DecisionSerialisesToJson) {
+  Decision decision = resolve_backend(paged_decode(), {}, all_available());
+  std::string json = decision.to_json();
+  EXPECT_NE(json.find("\"backend\": \"cuda\""), std::string::npos);
+  EXPECT_NE(json.find("\"source\": \"default\""), std::string::npos);
+}
+
+TEST(CudaCapability, RejectsWhatTheKernelsCannotRun) {
+  BackendStatus ok{true, "", 0};
+  CallDescription call = paged_decode();
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+  call.head_dim = call.head_dim_v = 96;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       "head_dim 96 not supported (supported: 64, 128, 256)"));
+  call = paged_decode();
+  call.page_size = 24;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "page_size 24"));
+  call = paged_decode();
+  call.arch = 75;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "sm_80"));
+  call = paged_decode();
+  call.mask = MaskForm::kAdditive;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "additive"));
+  call = paged_decode();
+  call.needs_grad = true;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "no backward"));
+}
+
+TEST(CudaCapability, FormChecksIgnorePlacement) {
+  BackendStatus missing{false, "library built without CUDA kernels", 0};
+  CallDescription call = paged_decode();
+  call.device = DeviceKind::kCPU;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, missing, Checks::kForm).empty());
+  EXPECT_FALSE(rejection_reasons(Backend::kCuda, call, missing, Checks::kAll).empty());
+}
+
+TEST(FlashCapability, FlashAttention2PagedPathNeeds256TokenPages) {
+  BackendStatus fa2{true, "", 2};
+  BackendStatus fa3{true, "", 3};
+  CallDescription call = paged_decode();
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll),
+                       "multiple of 256"));
+  EXPECT_TRUE(rejection_reasons(Backend::kFlash, call, fa3, Checks::kAll).empty());
+  call.page_size = 256;
+  EXPECT_TRUE(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll).empty());
+}
+
+TEST(FlashCapability, FlashAttention3NeedsHopper) {
+  BackendStatus fa3{true, "", 3};
+  CallDescription call = dense_training();
+  call.arch = 80;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa3, Checks::kAll), "sm_90"));
+}
+
+TEST(FlashCapability, CausalWithUnequalLengthsIsRejected) {
+  BackendStatus fa2{true, "", 2};
+  CallDescription call = dense_training();
+  call.q_len_equals_kv_len = false;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll), "top-left"));
+}
+
+TEST(TorchNativeCapability, RunsEveryFloatingCallOnAnyDevice) {
+  BackendStatus ok{true, "", 0};
+  CallDescription call = dense_training();
+  call.dtype = ScalarKind::kFloat64;
+  call.device = DeviceKind::kCPU;
+  call.mask = MaskForm::kAdditive;
+  EXPECT_TRUE(rejection_reasons(Backend::kTorchNative, call, ok, Checks::kAll).empty());
+  call.num_kv_heads = 5;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kTorchNative, call, ok, Checks::kAll),
+                       "multiple of kv heads"));
+}
+
+}  // namespace
+}  // namespace astr::dispatch
