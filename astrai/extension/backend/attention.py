@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Union
 
@@ -128,10 +129,35 @@ _flash_probed = False
 
 
 def _ensure_probed() -> None:
+    """Probe flash-attn once, in eager code. Under torch.compile the probe (an import) is
+    skipped; the guard on ``_flash_probed`` recompiles once a later eager call has probed."""
     global _flash_probed
-    if not _flash_probed:
+    if not _flash_probed and not torch.compiler.is_compiling():
         probe_flash()
         _flash_probed = True
+
+
+# os.environ's backing dict: torch.compile guards on reads of a plain dict, not on
+# os.environ.get, so a change of ASTR_BACKEND recompiles instead of reusing a stale graph.
+_ENVIRONMENT = getattr(os.environ, "_data", None)
+_ENV_KEY = b"ASTR_BACKEND" if _ENVIRONMENT is not None and os.name == "posix" else "ASTR_BACKEND"
+
+
+_ENV_CHOICES = tuple(
+    (n.encode() if isinstance(_ENV_KEY, bytes) else n) for n in ("cuda", "flash", "torch_native")
+)
+
+
+def _observe_environment() -> None:
+    """Under torch.compile, guard on ASTR_BACKEND: the C++ resolver reads it at trace time, so
+    a compiled graph must be retraced when it changes. (The context stack is guarded by
+    ``_python_backend``, which reads its top.)"""
+    if _ENVIRONMENT is None or not torch.compiler.is_compiling():
+        return
+    value = _ENVIRONMENT.get(_ENV_KEY)
+    for choice in _ENV_CHOICES:  # comparing makes the compiler guard on the value
+        if value == choice:
+            break
 
 
 def attention(q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False, fwd=None,
@@ -148,8 +174,10 @@ def attention(q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=Fals
     if python_backend is not None:
         return python_backend.forward(q, k, v, kv_cache=kv_cache, layer_id=layer_id,
                                       attn_mask=attn_mask, is_causal=is_causal, fwd=fwd)
-    return run_builtin(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd,
-                       _builtin_name(backend), scale)
+    name = _builtin_name(backend)
+    if name is None:
+        _observe_environment()
+    return run_builtin(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, name, scale)
 
 
 @dataclass

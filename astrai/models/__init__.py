@@ -1,0 +1,5 @@
+"""Small models that exercise astrai end to end."""
+
+from .tiny_decoder import DecoderConfig, TinyDecoder
+
+__all__ = ["DecoderConfig", "TinyDecoder"]
