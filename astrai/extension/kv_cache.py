@@ -194,6 +194,12 @@ class PagedKVCache:
         if self.step is None:
             raise RuntimeError("kv_cache: call begin_step(...) before appending")
         k_pool, v_pool = self.layer(layer_id)
+        for name, tensor, dim in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
+            if tuple(tensor.shape[-2:]) != (self.num_kv_heads, dim):
+                raise ValueError(
+                    f"{name}: expected [..., kv_heads={self.num_kv_heads}, head_dim={dim}], "
+                    f"got shape {tuple(tensor.shape)}"
+                )
         ops.append_kv(
             k.reshape(-1, self.num_kv_heads, self.head_dim),
             v.reshape(-1, self.num_kv_heads, self.head_dim_v),

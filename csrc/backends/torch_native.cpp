@@ -83,6 +83,7 @@ at::Tensor torch_native_paged(const AttentionArgs& a) {
   const at::Tensor q_pos = at::arange(max_q, long_opts).view({1, max_q, 1}) + prefix;
   at::Tensor visible = kv_pos < seq_len.view({batch, 1, 1});
   if (a.is_causal) visible = visible.logical_and(kv_pos <= q_pos);
+  visible = visible.expand({batch, max_q, capacity});
 
   std::optional<at::Tensor> bias;
   if (a.attn_mask) {
