@@ -26,6 +26,15 @@ TORCH_LIBRARY(astr, m) {
       "Tensor seq_lens, Tensor query_start_loc, int max_query_len, bool decode, "
       "Tensor? attn_mask, bool is_causal, float scale) -> Tensor");
 
+  // The flash backend's entry points. Their kernels are registered from Python by the flash
+  // probe (astrai/extension/backend/flash_ops.py), wrapping the flash-attn package's own API,
+  // so the resolver reaches the package through the dispatcher.
+  m.def("flash_dense(Tensor q, Tensor k, Tensor v, bool is_causal, float scale) -> Tensor");
+  m.def(
+      "flash_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, int max_query_len, bool decode, bool is_causal, float scale) "
+      "-> Tensor");
+
   // The resolver's decision for a call, as JSON, without running it.
   m.def(
       "explain(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "

@@ -1,19 +1,39 @@
-// The flash backend: the flash-attn package's own ops, found through the dispatcher once the
-// Python probe has imported the package (which registers them).
+// The flash backend: astr::flash_dense / astr::flash_paged, whose kernels the Python flash probe
+// registers (wrapping the flash-attn package) once it has imported the package.
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "backends.h"
 
 namespace astr {
 
-at::Tensor flash_dense(const AttentionArgs& args) {
-  (void)args;
-  TORCH_CHECK(false, "flash backend: dense path not wired yet");
+namespace {
+
+const c10::OperatorHandle& flash_op(const char* name) {
+  const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  TORCH_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd),
+              "flash backend: ", name,
+              " has no implementation; astrai.extension registers it when it finds flash-attn");
+  return op;
 }
 
-at::Tensor flash_paged(const AttentionArgs& args) {
-  (void)args;
-  TORCH_CHECK(false, "flash backend: paged path not wired yet");
+}  // namespace
+
+at::Tensor flash_dense(const AttentionArgs& a) {
+  static const auto op =
+      flash_op("astr::flash_dense").typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                                      const at::Tensor&, bool, double)>();
+  return op.call(a.q, *a.k, *a.v, a.is_causal, a.resolved_scale());
+}
+
+at::Tensor flash_paged(const AttentionArgs& a) {
+  static const auto op = flash_op("astr::flash_paged")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, const at::Tensor&, int64_t, bool,
+                                               bool, double)>();
+  const at::Tensor starts = a.query_start_loc ? *a.query_start_loc : *a.seq_lens;
+  return op.call(a.q, *a.k_cache, *a.v_cache, *a.block_table, *a.seq_lens, starts,
+                 a.decode() ? 1 : a.max_query_len, a.decode(), a.is_causal, a.resolved_scale());
 }
 
 }  // namespace astr

@@ -11,6 +11,7 @@ from typing import List
 import torch
 
 from .. import ops
+from . import flash_ops
 from .builtin import BuiltinBackend
 from .call import run_builtin
 
@@ -31,17 +32,14 @@ def _gpu_arch() -> int:
     return major * 10 + minor
 
 
-# (module, FlashAttention version, the op its package registers with the dispatcher)
+# (module, FlashAttention version), most capable first. FlashAttention-4 (flash_attn.cute)
+# is listed for the probe's report; its interface differs and is not wired (see _API).
 _CANDIDATES = (
-    ("flash_attn_interface", 3, "flash_attn_3::fwd"),
-    ("flash_attn.cute", 4, "flash_attn_cute::fwd"),
-    ("flash_attn", 2, "flash_attn::_flash_attn_forward"),
+    ("flash_attn_interface", 3),
+    ("flash_attn", 2),
+    ("flash_attn.cute", 4),
 )
-
-
-def _op_registered(qualified: str) -> bool:
-    namespace, name = qualified.split("::")
-    return hasattr(getattr(torch.ops, namespace), name)
+_API = ("flash_attn_func", "flash_attn_with_kvcache")
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,28 +47,30 @@ def probe_flash() -> FlashProbe:
     """Import flash-attn once, tell the C++ resolver what was found, and return it."""
     tried = []
     found = None
-    for module, version, op in _CANDIDATES:
+    for name, version in _CANDIDATES:
         try:
-            importlib.import_module(module)
+            module = importlib.import_module(name)
         except Exception as error:  # a broken install must not break astrai's import
-            tried.append(f"{module}: {type(error).__name__}: {error}".splitlines()[0][:200])
+            tried.append(f"{name}: {type(error).__name__}: {error}".splitlines()[0][:200])
             continue
-        if not _op_registered(op):
-            tried.append(f"{module}: imported, but registers no torch op {op}")
+        missing = [api for api in _API if not hasattr(module, api)]
+        if missing:
+            tried.append(f"{name}: imported, but has no {', '.join(missing)}")
             continue
         arch = _gpu_arch()
         if version == 3 and arch != 90:
-            tried.append(f"{module}: FlashAttention-3 needs sm_90 (GPU is sm_{arch})")
+            tried.append(f"{name}: FlashAttention-3 needs sm_90 (GPU is sm_{arch})")
             continue
-        found = (module, version)
+        flash_ops.register(module)
+        found = (name, version, getattr(module, "__version__", "?"))
         break
     if found is None:
         reason = "flash-attn not importable (" + "; ".join(tried) + ")"
         probe = FlashProbe(False, reason=reason, tried=tried)
     else:
-        module, version = found
-        probe = FlashProbe(True, version=version, module=module,
-                           reason=f"FlashAttention-{version} from {module}", tried=tried)
+        name, version, release = found
+        probe = FlashProbe(True, version=version, module=name,
+                           reason=f"FlashAttention-{version} from {name} {release}", tried=tried)
     ops.set_backend_status("flash", probe.available, probe.reason, probe.version)
     return probe
 

@@ -1,0 +1,182 @@
+"""The flash backend's wiring: the lazy probe, its report, the ops it registers, and the
+resolver's use of them. Without a real flash-attn package these tests install a TEST DOUBLE
+(tests/doubles/flash_attn_sdpa_double.py: FlashAttention-2's Python signatures, computed with
+SDPA) as ``flash_attn``; a real package on the device takes the same path."""
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+import astrai.extension as ae
+from astrai.extension import ops
+from astrai.extension.backend import flash as flash_module
+from tests.doubles import flash_attn_sdpa_double
+
+attention_module = importlib.import_module("astrai.extension.backend.attention")
+
+
+def reprobe():
+    flash_module.probe_flash.cache_clear()
+    attention_module._priority_backends.cache_clear()
+    attention_module._flash_probed = False
+    return flash_module.probe_flash()
+
+
+@pytest.fixture
+def flash_double(monkeypatch):
+    """flash-attn replaced by the SDPA test double for the duration of a test."""
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_sdpa_double)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # None: import fails
+    probe = reprobe()
+    yield probe
+    monkeypatch.undo()
+    reprobe()
+
+
+@pytest.fixture
+def no_flash(monkeypatch):
+    for name in ("flash_attn", "flash_attn_interface", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, None)
+    probe = reprobe()
+    yield probe
+    monkeypatch.undo()
+    reprobe()
+
+
+def test_missing_package_is_an_unavailable_reason_not_an_import_error(no_flash):
+    assert not no_flash.available
+    assert "flash-attn not importable" in no_flash.reason
+    assert ops.backend_status("flash") == {"available": False, "reason": no_flash.reason,
+                                           "version": 0}
+
+
+def test_broken_package_is_reported_not_raised(monkeypatch):
+    def broken_import(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise OSError("undefined symbol: _ZN3c10 (broken build)")
+        return importlib.__import__(name, *args, **kwargs)
+
+    monkeypatch.setattr(flash_module.importlib, "import_module", broken_import)
+    try:
+        probe = reprobe()
+        assert not probe.available
+        assert "OSError: undefined symbol" in probe.reason
+    finally:
+        monkeypatch.undo()
+        reprobe()
+
+
+def test_explain_lists_the_flash_reason(no_flash):
+    q = torch.randn(1, 4, 2, 8)
+    decision = ae.explain(q, q, q)
+    assert decision.backend == "torch_native"
+    assert any("flash-attn not importable" in r for r in decision.rejected["flash"])
+
+
+def test_info_report_names_the_flash_reason(no_flash):
+    from astrai.extension import info
+
+    assert "flash-attn not importable" in info.report()
+
+
+def test_probe_finds_the_double_as_flash_attention_2(flash_double):
+    assert flash_double.available
+    assert flash_double.version == 2
+    assert "sdpa-test-double" in flash_double.reason
+    assert ops.backend_status("flash")["version"] == 2
+
+
+def test_flash_is_never_chosen_for_cpu_tensors(flash_double):
+    q = torch.randn(1, 4, 2, 8, dtype=torch.bfloat16)
+    decision = ae.explain(q, q, q)
+    assert decision.backend == "torch_native"
+    assert "needs CUDA tensors (got cpu)" in decision.rejected["flash"]
+    with pytest.raises(RuntimeError, match="Explicitly-set backend 'flash'"):
+        ae.attention(q, q, q, backend="flash")
+
+
+def reference_dense(q, k, v, is_causal, scale):
+    return torch.ops.astr.attention(q, k, v, is_causal=is_causal, scale=scale,
+                                    backend="torch_native")
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_dense_op_runs_the_package(flash_double, is_causal):
+    torch.manual_seed(0)
+    q = torch.randn(2, 16, 4, 32)
+    k = torch.randn(2, 16, 2, 32)
+    v = torch.randn(2, 16, 2, 32)
+    out = torch.ops.astr.flash_dense(q, k, v, is_causal, 0.2)
+    torch.testing.assert_close(out, reference_dense(q, k, v, is_causal, 0.2))
+
+
+def paged_case(device, dtype, page_size=256, seed=0):
+    """A ragged batch with cached prefixes, written into a paged cache."""
+    torch.manual_seed(seed)
+    cache = ae.PagedKVCache(1, 8, page_size, 2, 64, dtype=dtype, device=device)
+    prompts = [300, 17, 520]
+    cache.begin_step([0, 1, 2], prompts)
+    total = sum(prompts)
+    cache.append(0, torch.randn(total, 2, 64, dtype=dtype, device=device),
+                 torch.randn(total, 2, 64, dtype=dtype, device=device))
+    new = [5, 1, 40]
+    cache.begin_step([0, 1, 2], new)
+    q = torch.randn(1, sum(new), 8, 64, dtype=dtype, device=device)
+    k = torch.randn(1, sum(new), 2, 64, dtype=dtype, device=device)
+    v = torch.randn(1, sum(new), 2, 64, dtype=dtype, device=device)
+    return cache, q, k, v
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_paged_op_matches_torch_native(flash_double, is_causal):
+    cache, q, k, v = paged_case("cpu", torch.float32)
+    cache.append(0, k, v)
+    step = cache.step
+    k_pool, v_pool = cache.layer(0)
+    q3 = q[0]
+    args = (q3, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc,
+            step.max_query_len)
+    out = torch.ops.astr.flash_paged(*args, False, is_causal, 0.125)
+    expected = torch.ops.astr.attention(
+        q3, k_cache=k_pool, v_cache=v_pool, block_table=step.block_table, seq_lens=step.seq_lens,
+        query_start_loc=step.query_start_loc, max_query_len=step.max_query_len, mode="prefill",
+        is_causal=is_causal, scale=0.125, backend="torch_native")
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.cuda
+def test_flash_is_the_default_for_training_on_the_gpu(flash_double):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 64, h, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for h in (8, 2, 2))
+    decision = ae.explain(q, k, v, is_causal=True)
+    assert decision.backend == "flash", decision
+    out = ae.attention(q, k, v, is_causal=True)
+    out.float().square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    expected = ae.attention(q, k, v, is_causal=True, backend="torch_native")
+    expected.float().square().sum().backward()
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.cuda
+def test_flash_paged_path_on_the_gpu_matches_torch_native(flash_double):
+    cache, q, k, v = paged_case("cuda", torch.bfloat16)
+    out = ae.attention(q, k, v, kv_cache=cache, fwd="prefill", is_causal=True, backend="flash")
+    expected = ae.attention(q, None, None, kv_cache=cache, fwd="prefill", is_causal=True,
+                            backend="torch_native")
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_flash_two_fifty_six_rule_sends_small_pages_elsewhere(flash_double):
+    cache, q, k, v = paged_case("cuda", torch.bfloat16, page_size=16)
+    decision = ae.explain(q, kv_cache=cache, fwd="prefill", is_causal=True)
+    assert "multiple of 256" in " ".join(decision.rejected["flash"])
+    assert decision.backend != "flash"
