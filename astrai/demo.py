@@ -36,8 +36,14 @@ def synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def generate(model: TinyDecoder, prompts: List[torch.Tensor], steps: int, backend: str,
-             page_size: int, show: bool = True) -> Dict:
+def generate(
+    model: TinyDecoder,
+    prompts: List[torch.Tensor],
+    steps: int,
+    backend: str,
+    page_size: int,
+    show: bool = True,
+) -> Dict:
     device = model.lm_head.weight.device
     lengths = [len(p) for p in prompts]
     pages = sum((n + steps + page_size - 1) // page_size for n in lengths) + 1
@@ -50,9 +56,18 @@ def generate(model: TinyDecoder, prompts: List[torch.Tensor], steps: int, backen
         cache.begin_step(seq_ids, lengths)
         tokens = torch.cat(prompts)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        decision = explain(torch.empty(1, len(tokens), model.config.num_heads,
-                                       model.config.head_dim, dtype=cache.dtype, device=device),
-                           kv_cache=cache, fwd="prefill")
+        decision = explain(
+            torch.empty(
+                1,
+                len(tokens),
+                model.config.num_heads,
+                model.config.head_dim,
+                dtype=cache.dtype,
+                device=device,
+            ),
+            kv_cache=cache,
+            fwd="prefill",
+        )
         logits = model.step(tokens, positions, cache, "prefill")
         last = torch.tensor(lengths, device=device).cumsum(0) - 1
         next_tokens = logits[last].argmax(-1)
@@ -71,8 +86,12 @@ def generate(model: TinyDecoder, prompts: List[torch.Tensor], steps: int, backen
         synchronize(device)
         seconds = time.perf_counter() - start
     processed = sum(lengths) + len(prompts) * (steps - 1)
-    return {"tokens": generated, "seconds": seconds, "tokens_per_s": processed / seconds,
-            "decided": decision.backend}
+    return {
+        "tokens": generated,
+        "seconds": seconds,
+        "tokens_per_s": processed / seconds,
+        "decided": decision.backend,
+    }
 
 
 @torch.no_grad()
@@ -104,13 +123,19 @@ def main(argv=None) -> int:
     model = TinyDecoder(DecoderConfig()).to(device=device, dtype=dtype).eval()
     generator = torch.Generator().manual_seed(args.seed)
     prompt_lengths = [int(n) for n in torch.randint(5, 120, (args.batch,), generator=generator)]
-    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=generator).to(device)
-               for n in prompt_lengths]
+    prompts = [
+        torch.randint(0, model.config.vocab_size, (n,), generator=generator).to(device)
+        for n in prompt_lengths
+    ]
     backends = [b.name for b in _priority_backends()]
-    print(f"astrai demo: {model.config.num_layers}-layer decoder, GQA {model.config.num_heads}/"
-          f"{model.config.num_kv_heads}, head_dim {model.config.head_dim}, {dtype}, {device}")
-    print(f"prompts: {prompt_lengths} tokens; {args.steps} greedy steps; page size "
-          f"{args.page_size}; backends: {', '.join(backends)}")
+    print(
+        f"astrai demo: {model.config.num_layers}-layer decoder, GQA {model.config.num_heads}/"
+        f"{model.config.num_kv_heads}, head_dim {model.config.head_dim}, {dtype}, {device}"
+    )
+    print(
+        f"prompts: {prompt_lengths} tokens; {args.steps} greedy steps; page size "
+        f"{args.page_size}; backends: {', '.join(backends)}"
+    )
 
     results = {}
     for name in backends:
@@ -120,17 +145,23 @@ def main(argv=None) -> int:
     dense_same, dense_total = dense_agreement(model, prompts, results[backends[0]]["tokens"])
     reference = results[backends[-1]]["tokens"]
     print()
-    print(f"{'backend':<14} {'ran':<14} {'tokens/s':>10} {'seconds':>8}  greedy tokens vs "
-          f"{backends[-1]}")
+    print(
+        f"{'backend':<14} {'ran':<14} {'tokens/s':>10} {'seconds':>8}  greedy tokens vs "
+        f"{backends[-1]}"
+    )
     all_match = True
     for name, result in results.items():
         same = sum(a == b for x, y in zip(result["tokens"], reference) for a, b in zip(x, y))
         total = sum(len(x) for x in reference)
         all_match &= same == total
-        print(f"{name:<14} {result['decided']:<14} {result['tokens_per_s']:>10.0f} "
-              f"{result['seconds']:>8.3f}  {same}/{total} identical")
-    print(f"{'dense recompute (no cache, torch_native)':<40} {dense_same}/{dense_total} identical "
-          f"to {backends[0]}'s tokens")
+        print(
+            f"{name:<14} {result['decided']:<14} {result['tokens_per_s']:>10.0f} "
+            f"{result['seconds']:>8.3f}  {same}/{total} identical"
+        )
+    print(
+        f"{'dense recompute (no cache, torch_native)':<40} {dense_same}/{dense_total} identical "
+        f"to {backends[0]}'s tokens"
+    )
     all_match &= dense_same == dense_total
     print()
     print("sequence 0:", results[backends[0]]["tokens"][0][:16], "...")

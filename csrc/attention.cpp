@@ -22,7 +22,6 @@ namespace astr {
 namespace {
 
 using dispatch::Backend;
-using dispatch::BackendStatus;
 using dispatch::BackendStatusTable;
 using dispatch::CallDescription;
 using dispatch::Decision;
@@ -40,18 +39,11 @@ std::string environment_backend() {
   return value ? std::string(value) : std::string();
 }
 
-std::array<BackendStatus, dispatch::kNumBackends> current_status() {
-  std::array<BackendStatus, dispatch::kNumBackends> status;
-  for (Backend backend : dispatch::kAllBackends) {
-    status[static_cast<int>(backend)] = BackendStatusTable::instance().get(backend);
-  }
-  return status;
-}
-
-Decision decide(const CallDescription& call, const std::optional<c10::string_view>& backend) {
+const Decision& decide(const CallDescription& call,
+                       const std::optional<c10::string_view>& backend) {
   Selection selection = dispatch::select_backend(to_string(backend), OverrideStack::current().top(),
                                                  environment_backend(), &warn);
-  return dispatch::resolve_backend(call, selection, current_status());
+  return dispatch::resolve_backend_cached(call, selection, BackendStatusTable::instance());
 }
 
 // An implicit choice that skipped a backend which is present: say so once per distinct reason.
@@ -95,7 +87,7 @@ at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
                      scale,       k_cache,  v_cache,    block_table,    seq_lens,
                      query_start_loc, max_query_len, parse_mode(mode)};
   const CallDescription call = validate_and_describe(args);
-  const Decision decision = decide(call, backend);
+  const Decision& decision = decide(call, backend);
   TORCH_CHECK(decision.chosen.has_value(), decision.error);
   report_fallback(decision, call);
   switch (*decision.chosen) {
@@ -178,7 +170,7 @@ std::string backend_status(c10::string_view backend) {
   const std::string name(backend.data(), backend.size());
   const auto parsed = dispatch::parse_backend(name);
   TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
-  const BackendStatus status = BackendStatusTable::instance().get(*parsed);
+  const dispatch::BackendStatus status = BackendStatusTable::instance().get(*parsed);
   std::string reason;
   for (char c : status.reason) reason += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
   return std::string("{\"available\": ") + (status.available ? "true" : "false") +

@@ -123,6 +123,15 @@ void validate_dense(const AttentionArgs& a) {
   }
 }
 
+// False for tensors whose values cannot be read here: fake and functional tensors while
+// torch.compile traces, and meta tensors.
+bool has_readable_data(const at::Tensor& t) {
+  const c10::DispatchKeySet keys = t.key_set();
+  return !t.is_meta() && !keys.has(c10::DispatchKey::Python) &&
+         !keys.has(c10::DispatchKey::Functionalize) && t.has_storage() &&
+         t.storage().data_ptr().get() != nullptr;
+}
+
 // Value checks on the paged metadata: only for CPU tensors, where reading them costs no device
 // synchronisation. On the GPU the kernels guard every index and poison the rows of a sequence
 // whose metadata is out of range with NaN.
@@ -217,7 +226,10 @@ void validate_paged(const AttentionArgs& a) {
                 "query token (",
                 q.size(0), "), got shape ", shape_string(*a.attn_mask));
   }
-  if (q.device().is_cpu()) validate_paged_values(a, k_cache.size(0), k_cache.size(1));
+  if (q.device().is_cpu() && has_readable_data(*a.block_table) && has_readable_data(*a.seq_lens) &&
+      (!a.query_start_loc || has_readable_data(*a.query_start_loc))) {
+    validate_paged_values(a, k_cache.size(0), k_cache.size(1));
+  }
 }
 
 bool any_requires_grad(const AttentionArgs& a) {

@@ -19,22 +19,54 @@ ARCHS = ("80", "90")
 
 
 def nvcc() -> str:
-    found = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    found = shutil.which("nvcc") or os.path.join(
+        os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"
+    )
     if not os.path.exists(found):
         sys.exit("compile_cuda: nvcc not found (set CUDA_HOME)")
     return found
+
+
+def shim_include_dir() -> str:
+    """A CPU build of torch ships the c10/cuda headers but not the one header that its CUDA
+    build generates; supply an equivalent (it only marks c10_cuda as a shared library)."""
+    shim = os.path.join(ROOT, "build-cu", "shim")
+    header = os.path.join(shim, "c10", "cuda", "impl", "cuda_cmake_macros.h")
+    if not os.path.exists(header):
+        os.makedirs(os.path.dirname(header), exist_ok=True)
+        with open(header, "w") as f:
+            f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    return shim
 
 
 def compile_one(source: str, arch: str) -> tuple[str, int, str]:
     out_dir = os.path.join(ROOT, "build-cu", f"sm_{arch}")
     os.makedirs(out_dir, exist_ok=True)
     obj = os.path.join(out_dir, os.path.relpath(source, ROOT).replace(os.sep, "_") + ".o")
-    cmd = [nvcc(), "-c", source, "-o", obj, "-std=c++17", "-O3", "--use_fast_math",
-           "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
-           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-DASTR_WITH_CUDA=1",
-           "-I", sysconfig.get_paths()["include"]]
+    cmd = [
+        nvcc(),
+        "-c",
+        source,
+        "-o",
+        obj,
+        "-std=c++17",
+        "-O3",
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        "-Xcompiler",
+        "-fPIC",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        "-DASTR_WITH_CUDA=1",
+        "-I",
+        sysconfig.get_paths()["include"],
+    ]
     for path in include_paths():
         cmd += ["-I", path]
+    if not any(
+        os.path.exists(os.path.join(p, "c10/cuda/impl/cuda_cmake_macros.h"))
+        for p in include_paths()
+    ):
+        cmd += ["-I", shim_include_dir()]
     result = subprocess.run(cmd, capture_output=True, text=True)
     return f"{os.path.relpath(source, ROOT)} sm_{arch}", result.returncode, result.stderr
 
@@ -46,7 +78,9 @@ def main() -> None:
         return
     jobs = [(s, a) for s in sources for a in ARCHS]
     failed = 0
-    with ThreadPoolExecutor(max_workers=int(os.environ.get("MAX_JOBS", os.cpu_count() or 2))) as pool:
+    with ThreadPoolExecutor(
+        max_workers=int(os.environ.get("MAX_JOBS", os.cpu_count() or 2))
+    ) as pool:
         for name, code, stderr in pool.map(lambda job: compile_one(*job), jobs):
             print(("ok    " if code == 0 else "FAIL  ") + name, flush=True)
             if code != 0:

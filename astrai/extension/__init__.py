@@ -1,9 +1,9 @@
 """astrai.extension: one attention entry point over our CUDA kernels, flash-attn and SDPA.
 
-    from astrai.extension import attention, attn_backend, PagedKVCache
-    out = attention(q, k, v, is_causal=True)            # training / dense, BLHD
-    with attn_backend("torch_native"):                   # strict choice, this thread only
-        out = attention(q, k, v, kv_cache=cache, layer_id=0, fwd="decode")
+from astrai.extension import attention, attn_backend, PagedKVCache
+out = attention(q, k, v, is_causal=True)            # training / dense, BLHD
+with attn_backend("torch_native"):                   # strict choice, this thread only
+    out = attention(q, k, v, kv_cache=cache, layer_id=0, fwd="decode")
 """
 
 from . import ops  # noqa: F401  (loads the native library and registers fake kernels)

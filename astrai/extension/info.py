@@ -38,11 +38,19 @@ def report() -> str:
     info = ops.BUILD_INFO
     lines.append(
         f"astrai build  torch {info['torch_version']}, "
-        + (f"CUDA {info['cuda_version']} for {info['cuda_archs']}" if info["with_cuda"] else "CPU only")
+        + (
+            f"CUDA {info['cuda_version']} for {info['cuda_archs']}"
+            if info["with_cuda"]
+            else "CPU only"
+        )
     )
     flash = probe_flash()
     rows = [
-        ("cuda", CudaBackend.available(), cuda_unavailable_reason() or ops.backend_status("cuda")["reason"]),
+        (
+            "cuda",
+            CudaBackend.available(),
+            cuda_unavailable_reason() or ops.backend_status("cuda")["reason"],
+        ),
         ("flash", flash.available, flash.reason),
         ("torch_native", True, "at::scaled_dot_product_attention"),
     ]

@@ -34,7 +34,7 @@ class StepMetadata:
     max_query_len: int  # most new tokens of any sequence (host int: no op reads lengths back)
     mode: str  # "decode" when every sequence adds one token, else "prefill"
 
-    def copy_(self, other: "StepMetadata") -> "StepMetadata":
+    def copy_(self, other: StepMetadata) -> StepMetadata:
         """Copy another step's metadata into these tensors in place (same shapes), so that a
         captured CUDA graph that reads these buffers sees the new step."""
         for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping"):
@@ -80,8 +80,12 @@ class PagedKVCache:
         self.device = torch.device(device)
         shape_k = (num_pages, page_size, num_kv_heads, head_dim)
         shape_v = (num_pages, page_size, num_kv_heads, self.head_dim_v)
-        self.k_pools = [torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_pools = [torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_pools = [
+            torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_pools = [
+            torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
         self._free_pages: List[int] = list(range(num_pages - 1, -1, -1))  # pop() takes page 0 first
         self._pages: Dict[int, List[int]] = {}
         self._lengths: Dict[int, int] = {}
@@ -134,7 +138,9 @@ class PagedKVCache:
         page = self.page_size
         new_lengths = [self.seq_len(s) + n for s, n in zip(seq_ids, num_new_tokens)]
         pages_needed = [math.ceil(length / page) for length in new_lengths]
-        extra = sum(max(0, need - len(self._pages.get(s, []))) for s, need in zip(seq_ids, pages_needed))
+        extra = sum(
+            max(0, need - len(self._pages.get(s, []))) for s, need in zip(seq_ids, pages_needed)
+        )
         if extra > len(self._free_pages):
             raise KVCacheFullError(
                 f"KV cache out of pages: this step needs {extra} more pages of {page} tokens, "

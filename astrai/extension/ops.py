@@ -42,8 +42,17 @@ BUILD_INFO: dict = _load_library()
 
 @torch.library.register_fake("astr::cuda_paged_attention")
 def _cuda_paged_attention_fake(
-    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, decode,
-    attn_mask, is_causal, scale,
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    max_query_len,
+    decode,
+    attn_mask,
+    is_causal,
+    scale,
 ):
     return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
 
@@ -77,8 +86,17 @@ def cuda_paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     return torch.ops.astr.cuda_paged_attention(
-        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len, decode,
-        attn_mask, is_causal, scale,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        decode,
+        attn_mask,
+        is_causal,
+        scale,
     )
 
 

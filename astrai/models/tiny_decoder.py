@@ -61,8 +61,16 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, length, c.num_kv_heads, c.head_dim)
         q = rotary(q, positions, c.rope_theta)
         k = rotary(k, positions, c.rope_theta)
-        out = attention(q, k, v, kv_cache=kv_cache, layer_id=self.layer_id, is_causal=True,
-                        fwd=fwd, backend=backend)
+        out = attention(
+            q,
+            k,
+            v,
+            kv_cache=kv_cache,
+            layer_id=self.layer_id,
+            is_causal=True,
+            fwd=fwd,
+            backend=backend,
+        )
         return self.wo(out.reshape(b, length, -1))
 
 
@@ -96,8 +104,14 @@ class TinyDecoder(nn.Module):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         return self._run(tokens, positions)
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-             fwd: str, backend=None) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: PagedKVCache,
+        fwd: str,
+        backend=None,
+    ) -> torch.Tensor:
         """One inference step over the paged cache: the new tokens of every sequence packed as
         ``[T]`` with their positions ``[T]`` (after ``kv_cache.begin_step``) -> logits
         ``[T, vocab]``."""
@@ -112,5 +126,12 @@ class TinyDecoder(nn.Module):
     def make_cache(self, num_pages: int, page_size: int, dtype=None, device=None) -> PagedKVCache:
         c = self.config
         weight = self.lm_head.weight
-        return PagedKVCache(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim,
-                            dtype=dtype or weight.dtype, device=device or weight.device)
+        return PagedKVCache(
+            c.num_layers,
+            num_pages,
+            page_size,
+            c.num_kv_heads,
+            c.head_dim,
+            dtype=dtype or weight.dtype,
+            device=device or weight.device,
+        )

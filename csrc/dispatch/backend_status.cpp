@@ -19,9 +19,15 @@ BackendStatus BackendStatusTable::get(Backend backend) const {
   return status_[static_cast<int>(backend)];
 }
 
+std::array<BackendStatus, kNumBackends> BackendStatusTable::snapshot() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {status_[0], status_[1], status_[2]};
+}
+
 void BackendStatusTable::set(Backend backend, BackendStatus status) {
   std::lock_guard<std::mutex> lock(mutex_);
   status_[static_cast<int>(backend)] = std::move(status);
+  generation_.fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace astr::dispatch

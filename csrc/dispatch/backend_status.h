@@ -2,6 +2,9 @@
 // Per-call rules (dtype, head dim, ...) live in capability.cpp; this is the process-wide part.
 #pragma once
 
+#include <array>
+#include <atomic>
+#include <cstdint>
 #include <mutex>
 #include <string>
 
@@ -20,12 +23,16 @@ class BackendStatusTable {
  public:
   static BackendStatusTable& instance();
   BackendStatus get(Backend backend) const;
+  std::array<BackendStatus, kNumBackends> snapshot() const;
   void set(Backend backend, BackendStatus status);
+  // Changes whenever a status does: memoised decisions keyed on it go stale.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
  private:
   BackendStatusTable();
   mutable std::mutex mutex_;
   BackendStatus status_[kNumBackends];
+  std::atomic<uint64_t> generation_{0};
 };
 
 }  // namespace astr::dispatch

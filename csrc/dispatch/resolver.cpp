@@ -1,8 +1,10 @@
 #include "resolver.h"
 
+#include <cstdint>
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "capability.h"
 #include "override_stack.h"
@@ -45,7 +47,63 @@ std::string source_phrase(SelectionSource source) {
   return "";
 }
 
+// A call's description and selection packed into a hashable key.
+struct DecisionKey {
+  uint64_t shape = 0;
+  uint64_t flags = 0;
+  uint64_t generation = 0;
+  std::string name;
+  bool operator==(const DecisionKey& other) const {
+    return shape == other.shape && flags == other.flags && generation == other.generation &&
+           name == other.name;
+  }
+};
+
+struct DecisionKeyHash {
+  size_t operator()(const DecisionKey& key) const {
+    uint64_t h = key.shape * 0x9E3779B97F4A7C15ull ^ key.flags * 0xC2B2AE3D27D4EB4Full;
+    h ^= key.generation + (h << 6) + (h >> 2);
+    return static_cast<size_t>(h ^ std::hash<std::string>()(key.name));
+  }
+};
+
+// False when a field does not fit its slot in the key (then the decision is not memoised).
+bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation, DecisionKey& key) {
+  const int wide[] = {c.head_dim, c.head_dim_v, c.num_q_heads, c.num_kv_heads, c.page_size};
+  for (int value : wide) {
+    if (value < 0 || value > 0xFFFF) return false;
+  }
+  if (c.arch < 0 || c.arch > 0xFF || c.q_rank < 0 || c.q_rank > 0xF) return false;
+  key.shape = uint64_t(c.head_dim) | uint64_t(c.head_dim_v) << 16 | uint64_t(c.num_q_heads) << 32 |
+              uint64_t(c.num_kv_heads) << 48;
+  key.flags = uint64_t(c.page_size) | uint64_t(c.arch) << 16 | uint64_t(c.q_rank) << 24 |
+              uint64_t(c.dtype) << 28 | uint64_t(c.device) << 32 | uint64_t(c.mask) << 36 |
+              uint64_t(c.mode) << 40 | uint64_t(c.has_kv_cache) << 44 |
+              uint64_t(c.needs_grad) << 45 | uint64_t(c.is_causal) << 46 |
+              uint64_t(c.q_len_equals_kv_len) << 47 | uint64_t(s.source) << 48;
+  key.generation = generation;
+  key.name = s.name;
+  return true;
+}
+
 }  // namespace
+
+const Decision& resolve_backend_cached(const CallDescription& call, const Selection& selection,
+                                       const BackendStatusTable& table) {
+  constexpr size_t kMaxEntries = 512;
+  thread_local std::unordered_map<DecisionKey, Decision, DecisionKeyHash> memo;
+  thread_local Decision uncached;
+  DecisionKey key;
+  if (!pack_key(call, selection, table.generation(), key)) {
+    uncached = resolve_backend(call, selection, table.snapshot());
+    return uncached;
+  }
+  auto found = memo.find(key);
+  if (found != memo.end()) return found->second;
+  if (memo.size() >= kMaxEntries) memo.clear();
+  Decision decision = resolve_backend(call, selection, table.snapshot());
+  return memo.emplace(std::move(key), std::move(decision)).first->second;
+}
 
 const char* selection_source_name(SelectionSource source) {
   switch (source) {

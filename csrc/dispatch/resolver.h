@@ -44,6 +44,12 @@ struct Decision {
 Decision resolve_backend(const CallDescription& call, const Selection& selection,
                          const std::array<BackendStatus, kNumBackends>& status);
 
+// resolve_backend memoised per thread on (call, selection, status generation): the resolver runs
+// on every attention call, and a model repeats a handful of call forms. The reference stays
+// valid until this thread's next call of this function.
+const Decision& resolve_backend_cached(const CallDescription& call, const Selection& selection,
+                                       const BackendStatusTable& table);
+
 // "cuda: reason; reason | flash: ... | torch_native: ok" style summary used in messages.
 std::string describe_reasons(const Decision& decision);
 

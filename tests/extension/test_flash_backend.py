@@ -48,8 +48,11 @@ def no_flash(monkeypatch):
 def test_missing_package_is_an_unavailable_reason_not_an_import_error(no_flash):
     assert not no_flash.available
     assert "flash-attn not importable" in no_flash.reason
-    assert ops.backend_status("flash") == {"available": False, "reason": no_flash.reason,
-                                           "version": 0}
+    assert ops.backend_status("flash") == {
+        "available": False,
+        "reason": no_flash.reason,
+        "version": 0,
+    }
 
 
 def test_broken_package_is_reported_not_raised(monkeypatch):
@@ -98,8 +101,9 @@ def test_flash_is_never_chosen_for_cpu_tensors(flash_double):
 
 
 def reference_dense(q, k, v, is_causal, scale):
-    return torch.ops.astr.attention(q, k, v, is_causal=is_causal, scale=scale,
-                                    backend="torch_native")
+    return torch.ops.astr.attention(
+        q, k, v, is_causal=is_causal, scale=scale, backend="torch_native"
+    )
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
@@ -119,8 +123,11 @@ def paged_case(device, dtype, page_size=256, seed=0):
     prompts = [300, 17, 520]
     cache.begin_step([0, 1, 2], prompts)
     total = sum(prompts)
-    cache.append(0, torch.randn(total, 2, 64, dtype=dtype, device=device),
-                 torch.randn(total, 2, 64, dtype=dtype, device=device))
+    cache.append(
+        0,
+        torch.randn(total, 2, 64, dtype=dtype, device=device),
+        torch.randn(total, 2, 64, dtype=dtype, device=device),
+    )
     new = [5, 1, 40]
     cache.begin_step([0, 1, 2], new)
     q = torch.randn(1, sum(new), 8, 64, dtype=dtype, device=device)
@@ -136,21 +143,39 @@ def test_flash_paged_op_matches_torch_native(flash_double, is_causal):
     step = cache.step
     k_pool, v_pool = cache.layer(0)
     q3 = q[0]
-    args = (q3, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc,
-            step.max_query_len)
+    args = (
+        q3,
+        k_pool,
+        v_pool,
+        step.block_table,
+        step.seq_lens,
+        step.query_start_loc,
+        step.max_query_len,
+    )
     out = torch.ops.astr.flash_paged(*args, False, is_causal, 0.125)
     expected = torch.ops.astr.attention(
-        q3, k_cache=k_pool, v_cache=v_pool, block_table=step.block_table, seq_lens=step.seq_lens,
-        query_start_loc=step.query_start_loc, max_query_len=step.max_query_len, mode="prefill",
-        is_causal=is_causal, scale=0.125, backend="torch_native")
+        q3,
+        k_cache=k_pool,
+        v_cache=v_pool,
+        block_table=step.block_table,
+        seq_lens=step.seq_lens,
+        query_start_loc=step.query_start_loc,
+        max_query_len=step.max_query_len,
+        mode="prefill",
+        is_causal=is_causal,
+        scale=0.125,
+        backend="torch_native",
+    )
     torch.testing.assert_close(out, expected)
 
 
 @pytest.mark.cuda
 def test_flash_is_the_default_for_training_on_the_gpu(flash_double):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 64, h, 64, device="cuda", dtype=torch.bfloat16,
-                           requires_grad=True) for h in (8, 2, 2))
+    q, k, v = (
+        torch.randn(2, 64, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for h in (8, 2, 2)
+    )
     decision = ae.explain(q, k, v, is_causal=True)
     assert decision.backend == "flash", decision
     out = ae.attention(q, k, v, is_causal=True)
@@ -169,8 +194,9 @@ def test_flash_is_the_default_for_training_on_the_gpu(flash_double):
 def test_flash_paged_path_on_the_gpu_matches_torch_native(flash_double):
     cache, q, k, v = paged_case("cuda", torch.bfloat16)
     out = ae.attention(q, k, v, kv_cache=cache, fwd="prefill", is_causal=True, backend="flash")
-    expected = ae.attention(q, None, None, kv_cache=cache, fwd="prefill", is_causal=True,
-                            backend="torch_native")
+    expected = ae.attention(
+        q, None, None, kv_cache=cache, fwd="prefill", is_causal=True, backend="torch_native"
+    )
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 

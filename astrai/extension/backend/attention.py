@@ -52,7 +52,7 @@ def flash_attn_available() -> bool:
     return probe_flash().available
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _priority_backends() -> List[AttentionBackend]:
     """The available built-in backends, in default priority order."""
     backends = []
@@ -160,8 +160,18 @@ def _observe_environment() -> None:
             break
 
 
-def attention(q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False, fwd=None,
-              backend: BackendSpec = None, scale: Optional[float] = None):
+def attention(
+    q,
+    k,
+    v,
+    kv_cache=None,
+    layer_id=0,
+    attn_mask=None,
+    is_causal=False,
+    fwd=None,
+    backend: BackendSpec = None,
+    scale: Optional[float] = None,
+):
     """Attention over BLHD q/k/v (``[batch, seq_len, heads, head_dim]``).
 
     ``fwd=None``: a training call (no cache, differentiable). ``fwd="prefill"``/``"decode"``
@@ -172,8 +182,16 @@ def attention(q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=Fals
     _ensure_probed()
     python_backend = _python_backend(backend)
     if python_backend is not None:
-        return python_backend.forward(q, k, v, kv_cache=kv_cache, layer_id=layer_id,
-                                      attn_mask=attn_mask, is_causal=is_causal, fwd=fwd)
+        return python_backend.forward(
+            q,
+            k,
+            v,
+            kv_cache=kv_cache,
+            layer_id=layer_id,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            fwd=fwd,
+        )
     name = _builtin_name(backend)
     if name is None:
         _observe_environment()
@@ -192,8 +210,11 @@ class Decision:
     rejected: Dict[str, List[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"backend: {self.backend or 'none'} (selection: {self.source}"
-                 + (f" '{self.requested}'" if self.requested else "") + ")"]
+        lines = [
+            f"backend: {self.backend or 'none'} (selection: {self.source}"
+            + (f" '{self.requested}'" if self.requested else "")
+            + ")"
+        ]
         for name, reasons in self.rejected.items():
             lines.append(f"  {name}: " + ("; ".join(reasons) if reasons else "can run it"))
         if self.error:
@@ -201,8 +222,18 @@ class Decision:
         return "\n".join(lines)
 
 
-def explain(q, k=None, v=None, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False,
-            fwd=None, backend: BackendSpec = None, scale: Optional[float] = None) -> Decision:
+def explain(
+    q,
+    k=None,
+    v=None,
+    kv_cache=None,
+    layer_id=0,
+    attn_mask=None,
+    is_causal=False,
+    fwd=None,
+    backend: BackendSpec = None,
+    scale: Optional[float] = None,
+) -> Decision:
     """The resolver's decision for a call, without running it (nothing is appended)."""
     _ensure_probed()
     python_backend = _python_backend(backend)
@@ -215,9 +246,20 @@ def explain(q, k=None, v=None, kv_cache=None, layer_id=0, attn_mask=None, is_cau
         k_pool, v_pool = kv_cache.layer(layer_id)
         q_tokens = q.reshape(-1, q.shape[-2], q.shape[-1])
         text = torch.ops.astr.explain(
-            q_tokens, None, None, k_cache=k_pool, v_cache=v_pool, backend=name,
+            q_tokens,
+            None,
+            None,
+            k_cache=k_pool,
+            v_cache=v_pool,
+            backend=name,
             **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
         )
     data = json.loads(text)
-    return Decision(data["backend"], data["source"], data["requested"], data["fell_back"],
-                    data["error"], data["reasons"])
+    return Decision(
+        data["backend"],
+        data["source"],
+        data["requested"],
+        data["fell_back"],
+        data["error"],
+        data["reasons"],
+    )

@@ -7,25 +7,23 @@ from typing import List, Optional
 
 import torch
 
-from .. import ops
-
 
 class _ContextStack(threading.local):
     """This thread's attn_backend(...) contexts, mirroring the C++ override stack."""
 
     def __init__(self):
-        self.backends: List["AttentionBackend"] = []
+        self.backends: List[AttentionBackend] = []
 
 
 CONTEXT = _ContextStack()
 
 
-def push_context(backend: "AttentionBackend") -> None:
+def push_context(backend: AttentionBackend) -> None:
     torch.ops.astr.push_backend(backend.override_name())
     CONTEXT.backends.append(backend)
 
 
-def pop_context(backend: "AttentionBackend") -> None:
+def pop_context(backend: AttentionBackend) -> None:
     if not CONTEXT.backends or CONTEXT.backends[-1] is not backend:
         raise RuntimeError("attn_backend: contexts must be exited in the order they were entered")
     CONTEXT.backends.pop()
@@ -57,10 +55,13 @@ class AttentionBackend:
     def fwd_decode(self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False):
         raise NotImplementedError
 
-    def forward(self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False, fwd=None):
+    def forward(
+        self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False, fwd=None
+    ):
         method = self.fwd_decode if fwd == "decode" else self.fwd_prefill
-        return method(q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask,
-                      is_causal=is_causal)
+        return method(
+            q, k, v, kv_cache=kv_cache, layer_id=layer_id, attn_mask=attn_mask, is_causal=is_causal
+        )
 
     def override_name(self) -> str:
         """What the C++ override stack records for this backend."""

@@ -21,14 +21,16 @@ def _form_args(q, kv_cache):
 class BuiltinBackend(AttentionBackend):
     name: str = ""
 
-    def rejection_reasons(self, q, kv_cache=None, attn_mask=None, is_causal=False, fwd=None,
-                          placement=False) -> List[str]:
+    def rejection_reasons(
+        self, q, kv_cache=None, attn_mask=None, is_causal=False, fwd=None, placement=False
+    ) -> List[str]:
         """Why this backend cannot run a call of this form (empty when it can), as the C++
         resolver sees it. ``placement`` adds availability, device and GPU-arch rules."""
         q, k_cache = _form_args(q, kv_cache)
         mode = fwd if fwd is not None else ("prefill" if kv_cache is not None else None)
-        text = torch.ops.astr.check_backend(self.name, q, k_cache, attn_mask, is_causal, mode,
-                                            placement)
+        text = torch.ops.astr.check_backend(
+            self.name, q, k_cache, attn_mask, is_causal, mode, placement
+        )
         return [line for line in text.split("\n") if line]
 
     def supports_call(self, q, kv_cache, attn_mask, is_causal, fwd) -> bool:
@@ -36,12 +38,41 @@ class BuiltinBackend(AttentionBackend):
         size, mask, mode, gradients), assuming it is available on the call's device."""
         return not self.rejection_reasons(q, kv_cache, attn_mask, is_causal, fwd)
 
-    def fwd_prefill(self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False,
-                    scale: Optional[float] = None):
-        return run_builtin(q, k, v, kv_cache, layer_id, attn_mask, is_causal,
-                           "prefill" if kv_cache is not None else None, self.name, scale)
+    def fwd_prefill(
+        self,
+        q,
+        k,
+        v,
+        kv_cache=None,
+        layer_id=0,
+        attn_mask=None,
+        is_causal=False,
+        scale: Optional[float] = None,
+    ):
+        return run_builtin(
+            q,
+            k,
+            v,
+            kv_cache,
+            layer_id,
+            attn_mask,
+            is_causal,
+            "prefill" if kv_cache is not None else None,
+            self.name,
+            scale,
+        )
 
-    def fwd_decode(self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False,
-                   scale: Optional[float] = None):
-        return run_builtin(q, k, v, kv_cache, layer_id, attn_mask, is_causal, "decode",
-                           self.name, scale)
+    def fwd_decode(
+        self,
+        q,
+        k,
+        v,
+        kv_cache=None,
+        layer_id=0,
+        attn_mask=None,
+        is_causal=False,
+        scale: Optional[float] = None,
+    ):
+        return run_builtin(
+            q, k, v, kv_cache, layer_id, attn_mask, is_causal, "decode", self.name, scale
+        )

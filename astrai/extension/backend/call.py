@@ -25,19 +25,35 @@ def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale):
     )
 
 
-def run_builtin(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, backend: Optional[str],
-                scale: Optional[float] = None):
+def run_builtin(
+    q,
+    k,
+    v,
+    kv_cache,
+    layer_id,
+    attn_mask,
+    is_causal,
+    fwd,
+    backend: Optional[str],
+    scale: Optional[float] = None,
+):
     """Run a call through the C++ resolver; ``backend`` None lets it choose (context stack,
     ASTR_BACKEND, default priority)."""
     if kv_cache is None:
-        return torch.ops.astr.attention(q, k, v, attn_mask, is_causal, scale, mode=fwd,
-                                        backend=backend)
+        return torch.ops.astr.attention(
+            q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=backend
+        )
     k_pool, v_pool = kv_cache.layer(layer_id)
     if k is not None:
         kv_cache.append(layer_id, k, v)
     q_tokens = q.reshape(-1, q.shape[-2], q.shape[-1])  # [T, Hq, D]
     out = torch.ops.astr.attention(
-        q_tokens, None, None, k_cache=k_pool, v_cache=v_pool, backend=backend,
+        q_tokens,
+        None,
+        None,
+        k_cache=k_pool,
+        v_cache=v_pool,
+        backend=backend,
         **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
     )
     return out.view(*q.shape[:-1], out.shape[-1])

@@ -8,11 +8,13 @@ from .. import ops
 from .builtin import BuiltinBackend
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_kernels_available() -> bool:
     if not ops.backend_status("cuda")["available"] or not torch.cuda.is_available():
         return False
-    return any(torch.cuda.get_device_capability(i) >= (8, 0) for i in range(torch.cuda.device_count()))
+    return any(
+        torch.cuda.get_device_capability(i) >= (8, 0) for i in range(torch.cuda.device_count())
+    )
 
 
 def cuda_unavailable_reason() -> str:

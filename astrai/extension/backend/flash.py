@@ -42,7 +42,7 @@ _CANDIDATES = (
 _API = ("flash_attn_func", "flash_attn_with_kvcache")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe_flash() -> FlashProbe:
     """Import flash-attn once, tell the C++ resolver what was found, and return it."""
     tried = []
@@ -69,8 +69,13 @@ def probe_flash() -> FlashProbe:
         probe = FlashProbe(False, reason=reason, tried=tried)
     else:
         name, version, release = found
-        probe = FlashProbe(True, version=version, module=name,
-                           reason=f"FlashAttention-{version} from {name} {release}", tried=tried)
+        probe = FlashProbe(
+            True,
+            version=version,
+            module=name,
+            reason=f"FlashAttention-{version} from {name} {release}",
+            tried=tried,
+        )
     ops.set_backend_status("flash", probe.available, probe.reason, probe.version)
     return probe
 

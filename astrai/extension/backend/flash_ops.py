@@ -54,8 +54,18 @@ def register(module: ModuleType) -> None:
         # q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D]
         return _first(dense_fn(q, k, v, softmax_scale=scale, causal=is_causal))
 
-    def flash_paged(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, max_query_len,
-                    decode: bool, is_causal: bool, scale: float):
+    def flash_paged(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        decode: bool,
+        is_causal: bool,
+        scale: float,
+    ):
         # q [T, Hq, D]; caches [P, S, Hkv, D]; block_table int32 [B, W]; seq_lens int32 [B]
         if kvcache_fn is None:
             raise RuntimeError(f"flash backend: {module.__name__} has no flash_attn_with_kvcache")
@@ -64,9 +74,17 @@ def register(module: ModuleType) -> None:
             padded, seq, pos = q.view(batch, 1, q.shape[1], q.shape[2]), None, None
         else:
             padded, seq, pos = _left_padded(q, query_start_loc, max_query_len, batch)
-        out = _first(kvcache_fn(padded, k_cache, v_cache, cache_seqlens=seq_lens,
-                                softmax_scale=scale, causal=is_causal,
-                                **{_paged_kwarg(kvcache_fn): block_table}))
+        out = _first(
+            kvcache_fn(
+                padded,
+                k_cache,
+                v_cache,
+                cache_seqlens=seq_lens,
+                softmax_scale=scale,
+                causal=is_causal,
+                **{_paged_kwarg(kvcache_fn): block_table},
+            )
+        )
         return out.view(q.shape[0], q.shape[1], -1) if decode else out[seq, pos]
 
     if _LIBRARY is not None:  # a new probe (tests) replaces the earlier registration

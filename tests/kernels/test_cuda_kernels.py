@@ -1,0 +1,512 @@
+"""GPU tests of the cuda backend's own kernels: astr::append_kv and astr::cuda_paged_attention.
+
+The reference is written from the definition, in float64, one sequence at a time: gather the
+sequence's K/V through its block table, then softmax(q k^T * scale + masks) v. Inputs are fresh
+random values on a pool of shuffled pages; pool slots that no sequence owns are NaN, so a kernel
+that reads past a sequence's length shows up as NaN. Outputs are poisoned first
+(see `poison_next_allocation`).
+"""
+
+import math
+
+import pytest
+import torch
+
+cuda = pytest.mark.cuda
+pytestmark = [
+    cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+if torch.cuda.is_available():
+    import astrai.extension  # noqa: F401  (loads the library, registers the ops)
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
+
+
+def attention_op(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    max_query_len,
+    decode,
+    attn_mask=None,
+    is_causal=True,
+    scale=None,
+):
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.astr.cuda_paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        decode,
+        attn_mask,
+        is_causal,
+        scale,
+    )
+
+
+def poison_next_allocation(shape, dtype):
+    """Fill a block of the output's size with NaN and free it, so that the caching allocator hands
+    the same memory to the op's output: any element the kernel does not write stays NaN."""
+    block = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del block
+
+
+class PagedBatch:
+    """A ragged batch in a paged pool: random pages, shuffled, NaN in every unowned slot."""
+
+    def __init__(
+        self,
+        seq_lens,
+        q_lens,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        dtype,
+        spare_pages=5,
+        extra_width=2,
+        generator=None,
+    ):
+        self.seq_lens_list = list(seq_lens)
+        self.q_lens_list = list(q_lens)
+        self.page_size = page_size
+        dev = "cuda"
+        pages_per_seq = [max(1, -(-n // page_size)) for n in seq_lens]
+        num_pages = sum(pages_per_seq) + spare_pages
+        self.k_cache = torch.randn(
+            num_pages,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            device=dev,
+            dtype=dtype,
+            generator=generator,
+        )
+        self.v_cache = torch.randn_like(self.k_cache)
+        perm = torch.randperm(num_pages, device=dev, generator=generator)
+        width = max(pages_per_seq) + extra_width
+        # Entries past a sequence's pages point outside the pool: the kernel must not read them.
+        self.block_table = torch.full(
+            (len(seq_lens), width), 1 << 30, dtype=torch.int32, device=dev
+        )
+        owned = torch.zeros(num_pages * page_size, dtype=torch.bool, device=dev)
+        start = 0
+        for b, (n, pages) in enumerate(zip(seq_lens, pages_per_seq)):
+            ids = perm[start : start + pages]
+            start += pages
+            self.block_table[b, :pages] = ids.int()
+            pos = torch.arange(n, device=dev)
+            owned[ids[pos // page_size] * page_size + pos % page_size] = True
+        flat_k = self.k_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = self.v_cache.view(-1, num_kv_heads, head_dim)
+        flat_k[~owned] = float("nan")
+        flat_v[~owned] = float("nan")
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        self.query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=dev)
+        self.num_tokens = qsl[-1]
+        self.q = torch.randn(
+            self.num_tokens, num_q_heads, head_dim, device=dev, dtype=dtype, generator=generator
+        )
+
+    def gather(self, cache, b):
+        n = self.seq_lens_list[b]
+        pos = torch.arange(n, device=cache.device)
+        pages = self.block_table[b, pos // self.page_size].long()
+        return cache[pages, pos % self.page_size].double()  # [n, Hkv, D]
+
+
+def reference(batch, q, is_causal, scale, attn_mask=None):
+    """Float64 attention from the definition, one sequence at a time."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    hq, hkv = q.shape[1], batch.k_cache.shape[2]
+    start = 0
+    for b, (n, m) in enumerate(zip(batch.seq_lens_list, batch.q_lens_list)):
+        if m == 0:
+            continue
+        k = batch.gather(batch.k_cache, b).repeat_interleave(hq // hkv, dim=1)
+        v = batch.gather(batch.v_cache, b).repeat_interleave(hq // hkv, dim=1)
+        qb = q[start : start + m].double()
+        scores = torch.einsum("ihd,jhd->hij", qb, k) * scale  # [Hq, m, n]
+        allowed = torch.ones(m, n, dtype=torch.bool, device=q.device)
+        if is_causal:
+            qpos = torch.arange(m, device=q.device) + (n - m)
+            allowed &= torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
+        if attn_mask is not None:
+            kk = min(n, attn_mask.shape[1])
+            user = torch.zeros(m, n, dtype=torch.bool, device=q.device)
+            user[:, :kk] = attn_mask[start : start + m, :kk]
+            allowed &= user
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key -> zeros
+        out[start : start + m] = torch.einsum("hij,jhd->ihd", probs, v)
+        start += m
+    return out
+
+
+def assert_close(out, ref, dtype):
+    assert out.dtype == dtype
+    assert not torch.isnan(out).any(), "output has NaN (unwritten element or read of a NaN slot)"
+    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert err < TOLERANCE[dtype], f"relative L2 error {err:.3e}"
+
+
+def run_decode(batch, attn_mask=None, is_causal=True):
+    poison_next_allocation(batch.q.shape, batch.q.dtype)
+    scale = 1.0 / math.sqrt(batch.q.shape[-1])
+    return attention_op(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        1,
+        True,
+        attn_mask,
+        is_causal,
+        scale,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference(dtype, head_dim, page_size, group):
+    g = torch.Generator(device="cuda").manual_seed(1000 + head_dim + page_size + group)
+    lens = [1, 8192, int(torch.randint(2, 8192, (1,), generator=g, device="cuda"))]
+    batch = PagedBatch(lens, [1] * len(lens), 2 * group, 2, head_dim, page_size, dtype, generator=g)
+    out = run_decode(batch)
+    assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(head_dim)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_long_sequence_uses_splits(dtype):
+    """B=1, L=32768: the split-KV path with its merge kernel."""
+    batch = PagedBatch([32768], [1], 32, 8, 128, 16, dtype)
+    out = run_decode(batch)
+    assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
+
+
+def test_decode_large_group_and_many_sequences():
+    """Group of 32 q heads (two 16-row tiles) and a batch of 37 ragged sequences."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    lens = torch.randint(1, 3000, (37,), generator=g, device="cuda").tolist()
+    batch = PagedBatch(lens, [1] * 37, 64, 2, 128, 16, torch.bfloat16, generator=g)
+    out = run_decode(batch)
+    assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), torch.bfloat16)
+
+
+def test_decode_with_mask_and_empty_rows():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    batch = PagedBatch([700, 5, 2000], [1, 1, 1], 8, 2, 128, 16, torch.float16, generator=g)
+    mask = torch.rand(3, 1500, generator=g, device="cuda") > 0.3
+    mask[1] = False  # sequence 1 sees no key: zeros
+    out = run_decode(batch, attn_mask=mask)
+    ref = reference(batch, batch.q, True, 1.0 / math.sqrt(128), mask)
+    assert_close(out, ref, torch.float16)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("page_size,group", [(1, 4), (16, 1), (64, 4), (256, 8)])
+def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group):
+    g = torch.Generator(device="cuda").manual_seed(head_dim * 7 + page_size + group + is_causal)
+    q_lens = [1, int(torch.randint(2, 300, (1,), generator=g, device="cuda")), 77]
+    prefix = [int(x) for x in torch.randint(0, 1200, (3,), generator=g, device="cuda")]
+    prefix[2] = 0  # a fresh prompt
+    lens = [p + n for p, n in zip(prefix, q_lens)]
+    batch = PagedBatch(lens, q_lens, 2 * group, 2, head_dim, page_size, dtype, generator=g)
+    scale = 1.0 / math.sqrt(head_dim)
+    poison_next_allocation(batch.q.shape, dtype)
+    out = attention_op(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        max(q_lens),
+        False,
+        None,
+        is_causal,
+        scale,
+    )
+    assert_close(out, reference(batch, batch.q, is_causal, scale), dtype)
+
+
+def test_prefill_long_prompt_row_stride_and_zero_length():
+    """Several row tiles, causal tiles skipped, q with a row stride (a slice of a fused qkv), and
+    a sequence with no new tokens between two others."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q_lens = [1500, 0, 333]
+    lens = [1500, 40, 900]
+    batch = PagedBatch(lens, q_lens, 32, 8, 128, 16, torch.bfloat16, generator=g)
+    fused = torch.randn(batch.num_tokens, 48, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = fused[:, 8:40]
+    scale = 0.11
+    poison_next_allocation(q.shape, q.dtype)
+    out = attention_op(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        1500,
+        False,
+        None,
+        True,
+        scale,
+    )
+    assert_close(out, reference(batch, q, True, scale), torch.bfloat16)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_prefill_bool_mask(is_causal):
+    g = torch.Generator(device="cuda").manual_seed(5 + is_causal)
+    q_lens = [50, 130]
+    lens = [300, 130]
+    batch = PagedBatch(lens, q_lens, 8, 2, 64, 16, torch.bfloat16, generator=g)
+    mask = torch.rand(batch.num_tokens, 250, generator=g, device="cuda") > 0.5
+    mask[3] = False  # a row with no key
+    scale = 1.0 / 8
+    poison_next_allocation(batch.q.shape, batch.q.dtype)
+    out = attention_op(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        130,
+        False,
+        mask,
+        is_causal,
+        scale,
+    )
+    assert_close(out, reference(batch, batch.q, is_causal, scale, mask), torch.bfloat16)
+    assert (out[3] == 0).all()
+
+
+def test_decode_cuda_graph_replay_with_growing_lengths():
+    """Capture one decode step, then replay it as the sequences grow: the split count and the
+    workspace come from shapes, the per-split chunk from the seq_lens read on the device."""
+    g = torch.Generator(device="cuda").manual_seed(21)
+    hq, hkv, d, page = 32, 8, 128, 16
+    max_len = 4096
+    batch = PagedBatch([max_len] * 4, [1] * 4, hq, hkv, d, page, torch.bfloat16, generator=g)
+    # Fill the whole pool with finite values: every replay makes more of it visible.
+    batch.k_cache.copy_(torch.randn(batch.k_cache.shape, generator=g, device="cuda"))
+    batch.v_cache.copy_(torch.randn(batch.v_cache.shape, generator=g, device="cuda"))
+    static_lens = torch.tensor([3, 1, 17, 100], dtype=torch.int32, device="cuda")
+    static_q = batch.q.clone()
+    scale = 1.0 / math.sqrt(d)
+    args = (
+        static_q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        static_lens,
+        batch.query_start_loc,
+        1,
+        True,
+        None,
+        True,
+        scale,
+    )
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.ops.astr.cuda_paged_attention(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = torch.ops.astr.cuda_paged_attention(*args)
+    for lens in ([3, 1, 17, 100], [64, 65, 700, 1000], [2048, 129, 4000, 4096]):
+        static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        batch.seq_lens_list = lens
+        ref = reference(batch, static_q, True, scale)
+        assert_close(static_out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+def test_append_kv_writes_slots_and_skips_negative(dtype, page_size):
+    g = torch.Generator(device="cuda").manual_seed(page_size)
+    hkv, d, t = 4, 128, 300
+    pages = max(40, 2 * t // page_size)  # more slots than tokens
+    k_cache = torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    k = torch.randn(t, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(t, hkv, d, device="cuda", dtype=dtype, generator=g)
+    slots = torch.randperm(pages * page_size, device="cuda", generator=g)[:t].int()
+    slots[::7] = -1
+    torch.ops.astr.append_kv(k, v, k_cache, v_cache, slots)
+    expected_k = k_before.view(-1, hkv, d).clone()
+    expected_v = v_before.view(-1, hkv, d).clone()
+    keep = slots >= 0
+    expected_k[slots[keep].long()] = k[keep]
+    expected_v[slots[keep].long()] = v[keep]
+    assert torch.equal(k_cache.view(-1, hkv, d), expected_k)
+    assert torch.equal(v_cache.view(-1, hkv, d), expected_v)
+
+
+def test_append_then_decode_round_trip():
+    """append_kv writes the new token, then the decode reads it (the serving loop's order)."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    batch = PagedBatch([100, 37], [1, 1], 8, 2, 64, 16, torch.float16, generator=g)
+    k_new = torch.randn(2, 2, 64, device="cuda", dtype=torch.float16, generator=g)
+    v_new = torch.randn_like(k_new)
+    lens = [101, 38]
+    slots = []
+    for b, n in enumerate(lens):
+        pos = n - 1
+        slots.append(int(batch.block_table[b, pos // 16]) * 16 + pos % 16)
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    # Make room: the previous sequence lengths must have left a free slot in the owned pages.
+    torch.ops.astr.append_kv(k_new, v_new, batch.k_cache, batch.v_cache, slot_mapping)
+    batch.seq_lens_list = lens
+    batch.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = run_decode(batch)
+    assert_close(out, reference(batch, batch.q, True, 1.0 / 8), torch.float16)
+
+
+# ---- bad inputs: each raises RuntimeError naming the argument --------------------------------
+
+
+def small_batch(**overrides):
+    batch = PagedBatch([20, 9], [1, 1], 8, 2, 64, 16, torch.bfloat16)
+    args = dict(
+        q=batch.q,
+        k_cache=batch.k_cache,
+        v_cache=batch.v_cache,
+        block_table=batch.block_table,
+        seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc,
+        max_query_len=1,
+        decode=True,
+        attn_mask=None,
+        is_causal=True,
+        scale=0.125,
+    )
+    args.update(overrides)
+    return args
+
+
+def call(args):
+    return torch.ops.astr.cuda_paged_attention(
+        args["q"],
+        args["k_cache"],
+        args["v_cache"],
+        args["block_table"],
+        args["seq_lens"],
+        args["query_start_loc"],
+        args["max_query_len"],
+        args["decode"],
+        args["attn_mask"],
+        args["is_causal"],
+        args["scale"],
+    )
+
+
+def test_rejects_wrong_q_dtype():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match="q must be bfloat16 or float16"):
+        call({**args, "q": args["q"].float()})
+
+
+def test_rejects_wrong_q_rank():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match=r"q must have shape \[T, Hq, D\]"):
+        call({**args, "q": args["q"].reshape(2, -1)})
+
+
+def test_rejects_cache_on_cpu():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match="k_cache must be a CUDA tensor"):
+        call({**args, "k_cache": args["k_cache"].cpu()})
+
+
+def test_rejects_cache_dtype_mismatch():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match="v_cache must have the dtype of q"):
+        call({**args, "v_cache": args["v_cache"].half()})
+
+
+def test_rejects_heads_that_do_not_divide():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match=r"q heads \(5\) must be a multiple of k_cache kv heads"):
+        call({**args, "q": args["q"][:, :5]})
+
+
+def test_rejects_unsupported_head_dim():
+    q = torch.randn(2, 8, 96, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(4, 16, 2, 96, device="cuda", dtype=torch.bfloat16)
+    args = small_batch(q=q, k_cache=kc, v_cache=kc.clone())
+    with pytest.raises(RuntimeError, match=r"unsupported head_dim 96 \(supported: 64, 128, 256\)"):
+        call(args)
+
+
+def test_rejects_block_table_dtype():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match="block_table must be int32"):
+        call({**args, "block_table": args["block_table"].long()})
+
+
+def test_rejects_seq_lens_shape():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match="seq_lens must have shape"):
+        call({**args, "seq_lens": args["seq_lens"][:1]})
+
+
+def test_rejects_query_start_loc_shape_in_prefill():
+    args = small_batch(decode=False)
+    with pytest.raises(RuntimeError, match="query_start_loc must have shape"):
+        call({**args, "query_start_loc": args["query_start_loc"][:2]})
+
+
+def test_rejects_float_mask():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match="attn_mask must be bool"):
+        call({**args, "attn_mask": torch.zeros(2, 20, device="cuda")})
+
+
+def test_rejects_decode_with_token_count_mismatch():
+    args = small_batch()
+    with pytest.raises(RuntimeError, match="decode needs one token per sequence"):
+        call({**args, "q": torch.randn(3, 8, 64, device="cuda", dtype=torch.bfloat16)})
+
+
+def test_append_kv_rejects_bad_arguments():
+    kc = torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    k = torch.randn(3, 2, 64, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="slot_mapping must be int32"):
+        torch.ops.astr.append_kv(k, k, kc, vc, slots.long())
+    with pytest.raises(RuntimeError, match="k_cache must have the dtype of k"):
+        torch.ops.astr.append_kv(k, k, kc.half(), vc, slots)
+    with pytest.raises(RuntimeError, match=r"k must have shape \[T, Hkv, D\]"):
+        torch.ops.astr.append_kv(k[0], k[0], kc, vc, slots)
+    with pytest.raises(RuntimeError, match="v must be a CUDA tensor"):
+        torch.ops.astr.append_kv(k, k.cpu(), kc, vc, slots)
