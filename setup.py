@@ -36,7 +36,9 @@ def cuda_archs() -> str:
 
 
 def sources(pattern: str) -> list[str]:
-    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
+    return sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+    )
 
 
 def extension():
@@ -59,7 +61,10 @@ def extension():
     macros += [
         ("ASTR_WITH_CUDA", "1"),
         ("ASTR_CUDA_VERSION", f'"{torch.version.cuda}"'),
-        ("ASTR_CUDA_ARCHS", '"' + ",".join("sm_" + a.replace(".", "") for a in archs.split(";")) + '"'),
+        (
+            "ASTR_CUDA_ARCHS",
+            '"' + ",".join("sm_" + a.replace(".", "") for a in archs.split(";")) + '"',
+        ),
     ]
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     threads = os.environ.get("NVCC_THREADS")
@@ -77,7 +82,7 @@ def extension():
 setup(
     name="astrai",
     version="0.1.0",
-    description="One attention entry point for PyTorch: our paged-KV CUDA kernels, flash-attn, or SDPA",
+    description="One attention entry point for PyTorch: paged-KV CUDA kernels, flash-attn, SDPA",
     packages=find_packages(include=["astrai", "astrai.*"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

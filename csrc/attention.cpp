@@ -68,24 +68,22 @@ void report_fallback(const Decision& decision, const CallDescription& call) {
   if (!reported.insert(key).second) return;
   TORCH_WARN("astr.attention: using ", dispatch::backend_name(*decision.chosen),
              " (requested: ", decision.selection.name.empty() ? "default" : decision.selection.name,
-             ", ", dispatch::selection_source_name(decision.selection.source),
-             "); skipped", skipped);
+             ", ", dispatch::selection_source_name(decision.selection.source), "); skipped",
+             skipped);
 }
 
 }  // namespace
 
-at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                     const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
-                     bool is_causal, std::optional<double> scale,
-                     const std::optional<at::Tensor>& k_cache,
-                     const std::optional<at::Tensor>& v_cache,
-                     const std::optional<at::Tensor>& block_table,
-                     const std::optional<at::Tensor>& seq_lens,
-                     const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-                     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
-  AttentionArgs args{q,           k,        v,          attn_mask,      is_causal,
-                     scale,       k_cache,  v_cache,    block_table,    seq_lens,
-                     query_start_loc, max_query_len, parse_mode(mode)};
+at::Tensor attention(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
+  AttentionArgs args{
+      q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
+      v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
   const CallDescription call = validate_and_describe(args);
   const Decision& decision = decide(call, backend);
   TORCH_CHECK(decision.chosen.has_value(), decision.error);
@@ -110,9 +108,9 @@ std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
                     const std::optional<at::Tensor>& seq_lens,
                     const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
                     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
-  AttentionArgs args{q,           k,        v,          attn_mask,      is_causal,
-                     scale,       k_cache,  v_cache,    block_table,    seq_lens,
-                     query_start_loc, max_query_len, parse_mode(mode)};
+  AttentionArgs args{
+      q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
+      v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
   return decide(validate_and_describe(args), backend).to_json();
 }
 
@@ -125,9 +123,9 @@ std::string check_backend(c10::string_view backend, const at::Tensor& q,
   TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name,
                     "' (valid: ", dispatch::valid_backend_names(), ")");
   const CallDescription call = describe_form(q, k_cache, attn_mask, is_causal, parse_mode(mode));
-  const auto reasons = dispatch::rejection_reasons(
-      *parsed, call, BackendStatusTable::instance().get(*parsed),
-      placement ? dispatch::Checks::kAll : dispatch::Checks::kForm);
+  const auto reasons =
+      dispatch::rejection_reasons(*parsed, call, BackendStatusTable::instance().get(*parsed),
+                                  placement ? dispatch::Checks::kAll : dispatch::Checks::kForm);
   std::string text;
   for (const auto& reason : reasons) text += reason + "\n";
   return text;
@@ -172,7 +170,8 @@ std::string backend_status(c10::string_view backend) {
   TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
   const dispatch::BackendStatus status = BackendStatusTable::instance().get(*parsed);
   std::string reason;
-  for (char c : status.reason) reason += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+  for (char c : status.reason)
+    reason += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
   return std::string("{\"available\": ") + (status.available ? "true" : "false") +
          ", \"reason\": \"" + reason + "\", \"version\": " + std::to_string(status.version) + "}";
 }

@@ -10,9 +10,9 @@
 namespace astr {
 
 struct AttentionArgs {
-  const at::Tensor& q;                       // dense [B,Lq,Hq,D] | paged [T,Hq,D]
-  const std::optional<at::Tensor>& k;        // dense [B,Lk,Hkv,D]
-  const std::optional<at::Tensor>& v;        // dense [B,Lk,Hkv,Dv]
+  const at::Tensor& q;                         // dense [B,Lq,Hq,D] | paged [T,Hq,D]
+  const std::optional<at::Tensor>& k;          // dense [B,Lk,Hkv,D]
+  const std::optional<at::Tensor>& v;          // dense [B,Lk,Hkv,Dv]
   const std::optional<at::Tensor>& attn_mask;  // dense: broadcastable to [B,Hq,Lq,Lk]; paged [T,K]
   bool is_causal;
   std::optional<double> scale;

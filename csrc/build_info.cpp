@@ -31,8 +31,7 @@ bool built_with_cuda() {
 const bool cuda_status_recorded = [] {
   if (built_with_cuda()) {
     dispatch::BackendStatusTable::instance().set(
-        dispatch::Backend::kCuda,
-        {true, std::string("kernels built for ") + ASTR_CUDA_ARCHS, 0});
+        dispatch::Backend::kCuda, {true, std::string("kernels built for ") + ASTR_CUDA_ARCHS, 0});
   }
   return true;
 }();
@@ -40,9 +39,9 @@ const bool cuda_status_recorded = [] {
 }  // namespace
 
 std::string build_info() {
-  return std::string("{\"torch_version\": \"") + ASTR_TORCH_VERSION + "\", \"with_cuda\": " +
-         (built_with_cuda() ? "true" : "false") + ", \"cuda_version\": \"" + ASTR_CUDA_VERSION +
-         "\", \"cuda_archs\": \"" + ASTR_CUDA_ARCHS + "\"}";
+  return std::string("{\"torch_version\": \"") + ASTR_TORCH_VERSION +
+         "\", \"with_cuda\": " + (built_with_cuda() ? "true" : "false") + ", \"cuda_version\": \"" +
+         ASTR_CUDA_VERSION + "\", \"cuda_archs\": \"" + ASTR_CUDA_ARCHS + "\"}";
 }
 
 }  // namespace astr

@@ -99,10 +99,8 @@ void validate_dense(const AttentionArgs& a) {
                 q.size(0));
   }
   TORCH_CHECK(k.size(1) == v.size(1), "v: kv_len ", v.size(1), " does not match k's ", k.size(1));
-  TORCH_CHECK(k.size(2) == v.size(2), "v: kv_heads ", v.size(2), " does not match k's ",
-              k.size(2));
-  TORCH_CHECK(k.size(3) == q.size(3), "k: head_dim ", k.size(3), " does not match q's ",
-              q.size(3));
+  TORCH_CHECK(k.size(2) == v.size(2), "v: kv_heads ", v.size(2), " does not match k's ", k.size(2));
+  TORCH_CHECK(k.size(3) == q.size(3), "k: head_dim ", k.size(3), " does not match q's ", q.size(3));
   TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "k: q heads (", q.size(2),
               ") must be a multiple of kv heads (", k.size(2), ")");
   if (a.attn_mask) {

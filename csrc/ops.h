@@ -11,18 +11,19 @@
 namespace astr {
 
 // The one entry point: resolves a backend (csrc/dispatch) and runs it. CompositeImplicitAutograd.
-at::Tensor attention(const at::Tensor& q,                       // dense [B,Lq,Hq,D] | paged [T,Hq,D]
-                     const std::optional<at::Tensor>& k,        // dense [B,Lk,Hkv,D] | paged None
-                     const std::optional<at::Tensor>& v,        // dense [B,Lk,Hkv,Dv] | paged None
-                     const std::optional<at::Tensor>& attn_mask,  // dense bcast [B,Hq,Lq,Lk] | [T,K]
-                     bool is_causal, std::optional<double> scale,
-                     const std::optional<at::Tensor>& k_cache,          // [P,S,Hkv,D]
-                     const std::optional<at::Tensor>& v_cache,          // [P,S,Hkv,Dv]
-                     const std::optional<at::Tensor>& block_table,      // int32 [B,W]
-                     const std::optional<at::Tensor>& seq_lens,         // int32 [B]
-                     const std::optional<at::Tensor>& query_start_loc,  // int32 [B+1]
-                     int64_t max_query_len, std::optional<c10::string_view> mode,
-                     std::optional<c10::string_view> backend);
+at::Tensor attention(
+    const at::Tensor& q,                         // dense [B,Lq,Hq,D] | paged [T,Hq,D]
+    const std::optional<at::Tensor>& k,          // dense [B,Lk,Hkv,D] | paged None
+    const std::optional<at::Tensor>& v,          // dense [B,Lk,Hkv,Dv] | paged None
+    const std::optional<at::Tensor>& attn_mask,  // dense bcast [B,Hq,Lq,Lk] | [T,K]
+    bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache,          // [P,S,Hkv,D]
+    const std::optional<at::Tensor>& v_cache,          // [P,S,Hkv,Dv]
+    const std::optional<at::Tensor>& block_table,      // int32 [B,W]
+    const std::optional<at::Tensor>& seq_lens,         // int32 [B]
+    const std::optional<at::Tensor>& query_start_loc,  // int32 [B+1]
+    int64_t max_query_len, std::optional<c10::string_view> mode,
+    std::optional<c10::string_view> backend);
 
 // Same arguments as `attention`; returns the decision as JSON text instead of running it.
 std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,

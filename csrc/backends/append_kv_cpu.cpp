@@ -17,8 +17,8 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
               " does not match k_cache's ", k_cache.scalar_type());
   TORCH_CHECK(v.scalar_type() == v_cache.scalar_type(), "v: dtype ", v.scalar_type(),
               " does not match v_cache's ", v_cache.scalar_type());
-  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k: shape [",
-              k.size(0), ", ", k.size(1), ", ", k.size(2), "] does not match k_cache's heads/dim [",
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k: shape [", k.size(0),
+              ", ", k.size(1), ", ", k.size(2), "] does not match k_cache's heads/dim [",
               k_cache.size(2), ", ", k_cache.size(3), "]");
   TORCH_CHECK(v.size(1) == v_cache.size(2) && v.size(2) == v_cache.size(3),
               "v: heads/head_dim do not match v_cache's");
@@ -27,8 +27,11 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
               "slot_mapping: expected [tokens] = [", k.size(0), "]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kInt, "slot_mapping: expected dtype int32, got ",
               slot_mapping.scalar_type());
-  const std::pair<const at::Tensor*, const char*> named[] = {
-      {&k, "k"}, {&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}};
+  const std::pair<const at::Tensor*, const char*> named[] = {{&k, "k"},
+                                                             {&v, "v"},
+                                                             {&k_cache, "k_cache"},
+                                                             {&v_cache, "v_cache"},
+                                                             {&slot_mapping, "slot_mapping"}};
   for (auto [t, name] : named) {
     TORCH_CHECK(t->device().is_cpu(), name, ": expected a CPU tensor, got ", t->device());
   }

@@ -7,12 +7,12 @@
 namespace astr {
 
 at::Tensor cuda_paged(const AttentionArgs& a) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("astr::cuda_paged_attention", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         int64_t, bool, const std::optional<at::Tensor>&, bool,
-                                         double)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("astr::cuda_paged_attention", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
+                            const std::optional<at::Tensor>&, bool, double)>();
   // Decode needs no query_start_loc; the kernel ignores it, so any int32 tensor will do.
   const at::Tensor starts = a.query_start_loc ? *a.query_start_loc : *a.seq_lens;
   return op.call(a.q, *a.k_cache, *a.v_cache, *a.block_table, *a.seq_lens, starts,

@@ -19,18 +19,18 @@ const c10::OperatorHandle& flash_op(const char* name) {
 }  // namespace
 
 at::Tensor flash_dense(const AttentionArgs& a) {
-  static const auto op =
-      flash_op("astr::flash_dense").typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                                      const at::Tensor&, bool, double)>();
+  static const auto op = flash_op("astr::flash_dense")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                               const at::Tensor&, bool, double)>();
   return op.call(a.q, *a.k, *a.v, a.is_causal, a.resolved_scale());
 }
 
 at::Tensor flash_paged(const AttentionArgs& a) {
-  static const auto op = flash_op("astr::flash_paged")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, const at::Tensor&, int64_t, bool,
-                                               bool, double)>();
+  static const auto op =
+      flash_op("astr::flash_paged")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
+                            bool, double)>();
   const at::Tensor starts = a.query_start_loc ? *a.query_start_loc : *a.seq_lens;
   return op.call(a.q, *a.k_cache, *a.v_cache, *a.block_table, *a.seq_lens, starts,
                  a.decode() ? 1 : a.max_query_len, a.decode(), a.is_causal, a.resolved_scale());

@@ -103,8 +103,9 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
     // FlashAttention-2's paged path reads the pool in 256-token blocks; 3 and 4 take any size.
     const bool fa2_rules = status.version <= 2;
     if (fa2_rules && call.page_size % 256 != 0) {
-      reasons.push_back("page_size " + std::to_string(call.page_size) +
-                        " not supported by FlashAttention-2's paged path (needs a multiple of 256)");
+      reasons.push_back(
+          "page_size " + std::to_string(call.page_size) +
+          " not supported by FlashAttention-2's paged path (needs a multiple of 256)");
     }
     if (call.needs_grad) reasons.push_back("paged KV-cache path has no backward");
   }

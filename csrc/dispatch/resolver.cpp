@@ -135,8 +135,8 @@ Selection select_backend(const std::string& argument, const std::optional<std::s
     static std::set<std::string> warned;
     std::lock_guard<std::mutex> lock(mutex);
     if (warned.insert(environment).second && warn != nullptr) {
-      warn("ASTR_BACKEND='" + environment + "' is not a backend (valid: " +
-           valid_backend_names() + "); ignoring it");
+      warn("ASTR_BACKEND='" + environment + "' is not a backend (valid: " + valid_backend_names() +
+           "); ignoring it");
     }
   }
   return {SelectionSource::kDefault, ""};

@@ -1,12 +1,12 @@
 // The thread-local override stack: nesting, validation, and one stack per thread.
+#include "override_stack.h"
+
 #include <gtest/gtest.h>
 
 #include <barrier>
 #include <stdexcept>
 #include <string>
 #include <thread>
-
-#include "override_stack.h"
 
 namespace astr::dispatch {
 namespace {

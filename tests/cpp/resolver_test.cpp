@@ -1,11 +1,12 @@
 // The resolver: precedence of choices, strict explicit choices, fallback of implicit ones, and
 // the capability rules of each backend.
+#include "resolver.h"
+
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "capability.h"
-#include "resolver.h"
 
 namespace astr::dispatch {
 namespace {
@@ -188,8 +189,8 @@ TEST(FlashCapability, FlashAttention2PagedPathNeeds256TokenPages) {
   BackendStatus fa2{true, "", 2};
   BackendStatus fa3{true, "", 3};
   CallDescription call = paged_decode();
-  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll),
-                       "multiple of 256"));
+  EXPECT_TRUE(
+      mentions(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll), "multiple of 256"));
   EXPECT_TRUE(rejection_reasons(Backend::kFlash, call, fa3, Checks::kAll).empty());
   call.page_size = 256;
   EXPECT_TRUE(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll).empty());
