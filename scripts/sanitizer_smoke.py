@@ -1,0 +1,40 @@
+"""A small run of every cuda-backend kernel (append, decode with split-KV, prefill with a mask),
+for `compute-sanitizer --tool memcheck`: ragged lengths that end mid-page, shuffled pages,
+GQA, and a block table wider than any sequence needs."""
+
+import torch
+
+import astrai.extension  # noqa: F401  (loads the library)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    device, dtype = "cuda", torch.bfloat16
+    for head_dim, page_size in ((64, 1), (128, 16), (256, 64)):
+        pages, kv_heads, q_heads = 64, 2, 8
+        k_cache = torch.randn(pages, page_size, kv_heads, head_dim, device=device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        seq_lens = torch.tensor([1, 5, page_size * 3 + 1], dtype=torch.int32, device=device)
+        width = 8
+        block_table = torch.randperm(pages, device=device)[: 3 * width].view(3, width).int()
+        q_lens = [1, 3, 4]
+        starts = torch.tensor([0, 1, 4, 8], dtype=torch.int32, device=device)
+        tokens = sum(q_lens)
+        slots = (block_table[2, 0] * page_size).repeat(tokens).int()
+        k_new = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
+        torch.ops.astr.append_kv(k_new, k_new, k_cache, v_cache, slots)
+        q = torch.randn(tokens, q_heads, head_dim, device=device, dtype=dtype)
+        mask = torch.rand(tokens, page_size * 3 + 1, device=device) > 0.3
+        prefill = torch.ops.astr.cuda_paged_attention(
+            q, k_cache, v_cache, block_table, seq_lens, starts, 4, False, mask, True, 0.1
+        )
+        decode = torch.ops.astr.cuda_paged_attention(
+            q[:3], k_cache, v_cache, block_table, seq_lens, starts, 1, True, None, False, 0.1
+        )
+        torch.cuda.synchronize()
+        assert torch.isfinite(prefill).all() and torch.isfinite(decode).all()
+        print(f"head_dim {head_dim} page_size {page_size}: ok")
+
+
+if __name__ == "__main__":
+    main()
