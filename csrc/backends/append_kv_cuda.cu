@@ -1,7 +1,8 @@
 // Binding of the KV append kernel (csrc/kernels/append_kv.cu) to the op astr::append_kv.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 #include <torch/library.h>
 
 #include "../kernels/launch.h"
@@ -19,11 +20,15 @@ void check_rows(const at::Tensor& t, const char* name, int element_size) {
                 " strides must be multiples of 16 bytes, got ", t.strides());
 }
 
-void append_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-               const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+// Mutable pools as at::Tensor& (schema Tensor(a!)): every kernel of one op must share one C++
+// signature, and the CPU kernel (append_kv_cpu) takes them that way.
+void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+               const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.is_cuda(), "append_kv: k must be a CUDA tensor, got device ", k.device());
   const at::Device device = k.device();
-  for (const auto& [t, name] : {std::pair{&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"},
+  for (const auto& [t, name] : {std::pair{&v, "v"},
+                                {&k_cache, "k_cache"},
+                                {&v_cache, "v_cache"},
                                 {&slot_mapping, "slot_mapping"}}) {
     TORCH_CHECK(t->is_cuda() && t->device() == device, "append_kv: ", name,
                 " must be a CUDA tensor on ", device, " (the device of k), got ", t->device());
@@ -37,8 +42,8 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
   TORCH_CHECK(k.dim() == 3, "append_kv: k must have shape [T, Hkv, D] (rank 3), got ", k.sizes());
   TORCH_CHECK(v.sizes() == k.sizes(), "append_kv: v shape ", v.sizes(), " must equal k shape ",
               k.sizes());
-  TORCH_CHECK(k_cache.dim() == 4, "append_kv: k_cache must have shape [P, S, Hkv, D] (rank 4), got ",
-              k_cache.sizes());
+  TORCH_CHECK(k_cache.dim() == 4,
+              "append_kv: k_cache must have shape [P, S, Hkv, D] (rank 4), got ", k_cache.sizes());
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "append_kv: v_cache shape ", v_cache.sizes(),
               " must equal k_cache shape ", k_cache.sizes());
   TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
@@ -86,7 +91,7 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cac
 
   const c10::cuda::CUDAGuard guard(device);
   const kernels::LaunchStatus status =
-      kernels::launch_append_kv(params, at::cuda::getCurrentCUDAStream());
+      kernels::launch_append_kv(params, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(status.ok(), "append_kv: ", status.error);
 }
 

@@ -3,8 +3,9 @@
 // current stream. No host synchronisation and no allocation that depends on tensor values: the
 // decode path can be captured in a CUDA graph and replayed with new seq_lens.
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -30,8 +31,8 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
 void check_int32_vector(const at::Tensor& t, const char* name, int64_t expected_len,
                         const at::Device& device) {
   check_cuda_tensor(t, name, device);
-  TORCH_CHECK(t.scalar_type() == at::kInt, "cuda_paged_attention: ", name,
-              " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == at::kInt, "cuda_paged_attention: ", name, " must be int32, got ",
+              t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && t.size(0) == expected_len, "cuda_paged_attention: ", name,
               " must have shape [", expected_len, "], got ", t.sizes());
   TORCH_CHECK(t.stride(0) == 1 || t.size(0) <= 1, "cuda_paged_attention: ", name,
@@ -97,15 +98,17 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   check_cuda_tensor(block_table, "block_table", device);
   TORCH_CHECK(block_table.scalar_type() == at::kInt,
               "cuda_paged_attention: block_table must be int32, got ", block_table.scalar_type());
-  TORCH_CHECK(block_table.dim() == 2, "cuda_paged_attention: block_table must have shape [B, W], got ",
+  TORCH_CHECK(block_table.dim() == 2,
+              "cuda_paged_attention: block_table must have shape [B, W], got ",
               block_table.sizes());
   TORCH_CHECK(block_table.stride(1) == 1 || block_table.size(1) <= 1,
               "cuda_paged_attention: block_table must have a contiguous last dim");
   const int64_t num_seqs = block_table.size(0);
   check_int32_vector(seq_lens, "seq_lens", num_seqs, device);
   if (decode) {
-    TORCH_CHECK(num_tokens == num_seqs, "cuda_paged_attention: decode needs one token per sequence: q has ",
-                num_tokens, " tokens, block_table has ", num_seqs, " sequences");
+    TORCH_CHECK(num_tokens == num_seqs,
+                "cuda_paged_attention: decode needs one token per sequence: q has ", num_tokens,
+                " tokens, block_table has ", num_seqs, " sequences");
   } else {
     check_int32_vector(query_start_loc, "query_start_loc", num_seqs + 1, device);
     TORCH_CHECK(max_query_len >= 0, "cuda_paged_attention: max_query_len must be >= 0, got ",
@@ -169,22 +172,25 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   base.scale = static_cast<float>(scale);
   base.dtype = to_kernel_dtype(q.scalar_type());
 
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   kernels::LaunchStatus status;
   if (decode) {
     kernels::PagedDecodeParams params{};
     static_cast<kernels::PagedAttentionParams&>(params) = base;
     const int64_t max_kv_len = std::min<int64_t>(block_table.size(1) * page_size, INT32_MAX);
-    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    params.num_splits = kernels::paged_decode_num_splits(
-        base.num_seqs, base.num_q_heads, base.num_kv_heads, static_cast<int>(max_kv_len),
-        base.head_dim, num_sms);
+    int num_sms = 0;
+    C10_CUDA_CHECK(
+        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device.index()));
+    params.num_splits =
+        kernels::paged_decode_num_splits(base.num_seqs, base.num_q_heads, base.num_kv_heads,
+                                         static_cast<int>(max_kv_len), base.head_dim, num_sms);
     // Size from shapes only (split count, T, Hq, D), never from seq_lens' values.
     const size_t workspace_floats = kernels::paged_decode_workspace_floats(
         params.num_splits, base.num_tokens, base.num_q_heads, base.head_dim);
     at::Tensor workspace;
     if (workspace_floats > 0) {
-      workspace = at::empty({static_cast<int64_t>(workspace_floats)}, q.options().dtype(at::kFloat));
+      workspace =
+          at::empty({static_cast<int64_t>(workspace_floats)}, q.options().dtype(at::kFloat));
       params.workspace = workspace.data_ptr<float>();
     }
     status = kernels::launch_paged_decode(params, stream);

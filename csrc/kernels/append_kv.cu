@@ -29,10 +29,14 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendKVParams p, int e
                       (token * p.v_stride_token + head * p.v_stride_head) * element_size + byte;
   char* k_dst = static_cast<char*>(p.k_cache) +
                 (page * p.k_cache_stride_page + offset * p.k_cache_stride_slot +
-                 head * p.k_cache_stride_head) * element_size + byte;
+                 head * p.k_cache_stride_head) *
+                    element_size +
+                byte;
   char* v_dst = static_cast<char*>(p.v_cache) +
                 (page * p.v_cache_stride_page + offset * p.v_cache_stride_slot +
-                 head * p.v_cache_stride_head) * element_size + byte;
+                 head * p.v_cache_stride_head) *
+                    element_size +
+                byte;
   const uint4 k_value = __ldg(reinterpret_cast<const uint4*>(k_src));
   const uint4 v_value = __ldg(reinterpret_cast<const uint4*>(v_src));
   *reinterpret_cast<uint4*>(k_dst) = k_value;
@@ -54,7 +58,8 @@ LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream)
   }
   if (element_size == 0) return {"append_kv: unsupported dtype"};
   const int row_bytes = params.head_dim * element_size;
-  if (row_bytes % 16 != 0) return {"append_kv: head_dim * element size must be a multiple of 16 bytes"};
+  if (row_bytes % 16 != 0)
+    return {"append_kv: head_dim * element size must be a multiple of 16 bytes"};
   if (params.page_size <= 0) return {"append_kv: page size must be positive"};
   if (params.num_tokens == 0 || params.num_kv_heads == 0) return {};
   const int chunks_per_row = row_bytes / 16;
@@ -63,7 +68,7 @@ LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream)
   const int64_t blocks = (total + threads - 1) / threads;
   if (blocks > INT32_MAX) return {"append_kv: too many tokens for one launch"};
   append_kv_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params, element_size,
-                                                                         chunks_per_row);
+                                                                          chunks_per_row);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return {std::string("append_kv_kernel: ") + cudaGetErrorString(error)};
   return {};

@@ -30,8 +30,7 @@ LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream)
 int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int max_kv_len,
                             int head_dim, int num_sms);
 // Float workspace the decode needs for `num_splits` (0 when num_splits == 1).
-size_t paged_decode_workspace_floats(int num_splits, int num_tokens, int num_q_heads,
-                                     int head_dim);
+size_t paged_decode_workspace_floats(int num_splits, int num_tokens, int num_q_heads, int head_dim);
 
 LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t stream);
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t stream);

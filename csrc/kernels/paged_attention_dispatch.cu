@@ -7,7 +7,8 @@
 #include <cmath>
 
 #include "launch.h"
-#include "paged_attention_kernel.cuh"
+#include "paged_attention_instantiations.h"
+#include "paged_attention_traits.h"
 
 namespace astrai::kernels {
 
@@ -76,7 +77,8 @@ int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int
   if (num_seqs <= 0 || num_kv_heads <= 0 || max_kv_len <= kTileN) return 1;
   const int group = std::max(1, num_q_heads / num_kv_heads);
   const int64_t blocks = (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
-  const int64_t slots = (int64_t)std::max(1, num_sms) * std::max(1, blocks_per_sm_for_decode(head_dim));
+  const int64_t slots =
+      (int64_t)std::max(1, num_sms) * std::max(1, blocks_per_sm_for_decode(head_dim));
   const int64_t tiles = (max_kv_len + kTileN - 1) / kTileN;
   const int max_splits = static_cast<int>(std::min<int64_t>(std::min<int64_t>(tiles, 256), 65535));
   int best = 1;
@@ -99,7 +101,8 @@ size_t paged_decode_workspace_floats(int num_splits, int num_tokens, int num_q_h
 }
 
 LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t stream) {
-  if (!is_supported_head_dim(params.head_dim)) return {unsupported_head_dim_message(params.head_dim)};
+  if (!is_supported_head_dim(params.head_dim))
+    return {unsupported_head_dim_message(params.head_dim)};
   LaunchStatus status = check_common(params);
   if (!status.ok()) return status;
   if (params.num_tokens != params.num_seqs) return {"decode needs one query token per sequence"};
@@ -113,14 +116,16 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
   args.num_splits = params.num_splits;
   const size_t rows = (size_t)params.num_splits * params.num_tokens * params.num_q_heads;
   args.partial_out = params.workspace;
-  args.partial_lse = params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
+  args.partial_lse =
+      params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
   args.scale_log2 = params.scale * 1.4426950408889634f;
   const int group = params.num_q_heads / params.num_kv_heads;
   return run_for_head_dim<true>(args, group, stream);
 }
 
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t stream) {
-  if (!is_supported_head_dim(params.head_dim)) return {unsupported_head_dim_message(params.head_dim)};
+  if (!is_supported_head_dim(params.head_dim))
+    return {unsupported_head_dim_message(params.head_dim)};
   LaunchStatus status = check_common(params);
   if (!status.ok()) return status;
   if (params.query_start_loc == nullptr) return {"prefill needs query_start_loc"};

@@ -1,5 +1,6 @@
 // Paged attention kernel template (decode and prefill) and the split-KV merge kernel.
-// Included only by the per-head-dim instantiation files; see paged_attention_traits.h for the design.
+// Included only by the per-head-dim instantiation files; see paged_attention_traits.h for the
+// design.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,20 +10,11 @@
 
 #include "device_primitives.cuh"
 #include "launch.h"
+#include "paged_attention_instantiations.h"
 #include "paged_attention_params.h"
 #include "paged_attention_traits.h"
 
 namespace astrai::kernels {
-
-// Everything the kernel reads, flattened from PagedDecodeParams / PagedPrefillParams.
-struct PagedKernelArgs {
-  PagedAttentionParams base;
-  const int32_t* query_start_loc;  // [B + 1], null in decode (token b = sequence b)
-  int num_splits;                  // decode: kv chunks per sequence (grid z)
-  float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
-  float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
-  float scale_log2;                // scale * log2(e): softmax runs on exp2
-};
 
 template <typename Traits, typename T>
 __global__ void __launch_bounds__(Traits::kThreads)
@@ -107,12 +99,26 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const T* v_base = static_cast<const T*>(p.v_cache);
   const int32_t* block_table = p.block_table + seq * p.block_table_stride;
   const int page_mask = (1 << p.log2_page_size) - 1;
-  auto load_kv = [&](int tile, int stage) {
+  // Each thread copies the same 16-byte column `ch` of kCopiesPerThread rows of every tile.
+  constexpr int kCopiesPerThread = kTileN * kChunks / kThreads;
+  static_assert(kThreads % kChunks == 0, "a thread's rows must keep one column");
+  // Decode looks page ids up one tile ahead (into registers, consumed by the next load_kv), so the
+  // block-table read latency hides behind a tile's compute: at page size 1 every row has its own
+  // lookup. Prefill (compute-bound, no registers to spare) looks up just before the copy.
+  auto lookup_pages = [&](int tile, int (&pages)[kCopiesPerThread]) {
+    const int pos0 = kv_begin + tile * kTileN;
+#pragma unroll
+    for (int i = 0; i < kCopiesPerThread; ++i) {
+      const int pos = pos0 + (tid + i * kThreads) / kChunks;
+      pages[i] = pos < kv_end ? block_table[pos >> p.log2_page_size] : 0;
+    }
+  };
+  auto load_kv = [&](int tile, int stage, const int (&pages)[kCopiesPerThread]) {
     const int pos0 = kv_begin + tile * kTileN;
     T* k_dst = k_smem + stage * kTileN * Traits::kRowStride;
     T* v_dst = v_smem + stage * kTileN * Traits::kRowStride;
 #pragma unroll
-    for (int i = 0; i < kTileN * kChunks / kThreads; ++i) {
+    for (int i = 0; i < kCopiesPerThread; ++i) {
       const int c = tid + i * kThreads;
       const int r = c / kChunks, ch = c % kChunks;
       const int pos = pos0 + r;
@@ -120,7 +126,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const T* k_src = k_base;
       const T* v_src = v_base;
       if (valid) {
-        const int64_t page = block_table[pos >> p.log2_page_size];
+        const int64_t page = pages[i];
         const int64_t slot = pos & page_mask;
         k_src = k_base + page * p.k_stride_page + slot * p.k_stride_slot +
                 kv_head * p.k_stride_head + ch * 8;
@@ -137,8 +143,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // Rows of this warp: decode, the block's 16 rows (warps split kv); prefill, kMRep x 16 rows.
   const int warp_row0 = kDecode ? 0 : warp * 16 * kMRep;
   const int warp_col0 = kDecode ? warp * kWarpTileN : 0;  // kv offset inside the tile
-  const int lane_row = lane / 4;       // fragment row (and +8)
-  const int lane_col = (lane % 4) * 2;  // fragment column pair
+  const int lane_row = lane / 4;                          // fragment row (and +8)
+  const int lane_col = (lane % 4) * 2;                    // fragment column pair
 
   float o_acc[kMRep][D / 8][4];
   float row_max[kMRep][2];  // running max of scaled scores (log2 domain)
@@ -154,7 +160,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   uint32_t q_frag[Traits::kQInRegisters ? kMRep : 1][Traits::kQInRegisters ? D / 16 : 1][4];
 
-  auto load_q_fragment = [&](int mi, int ks, uint32_t(&a)[4]) {
+  auto load_q_fragment = [&](int mi, int ks, uint32_t (&a)[4]) {
     const int r = warp_row0 + mi * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
     const int ch = ks * 2 + lane / 16;
     ldmatrix_x4(shared_address(q_smem + tile_offset<D>(r, ch)), a);
@@ -162,19 +168,28 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   // ---- pipeline prologue ---------------------------------------------------------------------
   load_q();
+  int pages[kCopiesPerThread];
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) load_kv(s, s);
+    if (s < num_tiles) {
+      lookup_pages(s, pages);
+      load_kv(s, s, pages);
+    }
     cp_async_commit();  // one group per stage, empty or not, keeps the wait counts uniform
   }
+  if constexpr (kDecode) lookup_pages(kStages - 1, pages);
 
   const float scale_log2 = args.scale_log2;
   const bool* mask = p.attn_mask;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
-    if (next < num_tiles) load_kv(next, next % kStages);
+    if (next < num_tiles) {
+      if constexpr (!kDecode) lookup_pages(next, pages);
+      load_kv(next, next % kStages, pages);
+    }
     cp_async_commit();
+    if constexpr (kDecode) lookup_pages(next + 1, pages);
     cp_async_wait<kStages - 1>();
     __syncthreads();
 
@@ -392,8 +407,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
         for (int w = 0; w < Traits::kWarps; ++w) {
           const float weight = exp2f(merge_m[w * 16 + r] - m);
           l += merge_l[w * 16 + r] * weight;
-          const float4 o =
-              *reinterpret_cast<const float4*>(merge_o + (w * 16 + r) * Traits::kMergeRowStride + c);
+          const float4 o = *reinterpret_cast<const float4*>(
+              merge_o + (w * 16 + r) * Traits::kMergeRowStride + c);
           acc.x += o.x * weight;
           acc.y += o.y * weight;
           acc.z += o.z * weight;
@@ -436,7 +451,8 @@ __global__ void paged_decode_merge_kernel(const __grid_constant__ PagedKernelArg
   if (m != -INFINITY) {
     for (int s = 0; s < args.num_splits; ++s) {
       const float weight = exp2f(args.partial_lse[s * rows + row] - m);
-      const float4 o = *reinterpret_cast<const float4*>(args.partial_out + (s * rows + row) * D + c);
+      const float4 o =
+          *reinterpret_cast<const float4*>(args.partial_out + (s * rows + row) * D + c);
       l += weight;
       acc.x += o.x * weight;
       acc.y += o.y * weight;
@@ -463,16 +479,18 @@ template <int D, typename T, bool kDecode>
 LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
   using Traits = PagedAttentionTraits<D, kDecode>;
   auto kernel = paged_attention_kernel<Traits, T>;
-  cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Traits::kSmemBytes);
-  if (error != cudaSuccess) return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (error != cudaSuccess)
+    return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
   const int64_t row_tiles = (grid_rows + Traits::kBlockRows - 1) / Traits::kBlockRows;
   if (row_tiles > 65535) return {"paged attention: too many query rows for one launch"};
   const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
   dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
             kDecode ? args.num_splits : 1);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
-  LaunchStatus status = status_after_launch(kDecode ? "paged_decode_kernel" : "paged_prefill_kernel");
+  LaunchStatus status =
+      status_after_launch(kDecode ? "paged_decode_kernel" : "paged_prefill_kernel");
   if (!status.ok() || !kDecode || args.num_splits == 1) return status;
   const int64_t items = (int64_t)args.base.num_tokens * args.base.num_q_heads * (D / 4);
   const int threads = 256;
@@ -481,10 +499,10 @@ LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cud
   return status_after_launch("paged_decode_merge_kernel");
 }
 
-#define ASTRAI_INSTANTIATE_PAGED_ATTENTION(D, DECODE)                                          \
-  template LaunchStatus run_paged_attention<D, __nv_bfloat16, DECODE>(const PagedKernelArgs&, \
-                                                                      int, cudaStream_t);      \
-  template LaunchStatus run_paged_attention<D, __half, DECODE>(const PagedKernelArgs&, int,    \
+#define ASTRAI_INSTANTIATE_PAGED_ATTENTION(D, DECODE)                                              \
+  template LaunchStatus run_paged_attention<D, __nv_bfloat16, DECODE>(const PagedKernelArgs&, int, \
+                                                                      cudaStream_t);               \
+  template LaunchStatus run_paged_attention<D, __half, DECODE>(const PagedKernelArgs&, int,        \
                                                                cudaStream_t);
 
 }  // namespace astrai::kernels

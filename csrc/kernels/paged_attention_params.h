@@ -17,13 +17,13 @@ enum class ScalarType : int { kFloat16 = 0, kBFloat16 = 1, kFloat32 = 2 };
 // append_kv: k_cache[slot / S, slot % S, h, :] = k[t, h, :] (same for v) for every token t whose
 // slot_mapping[t] = slot is >= 0. Slots past the pool (>= P * S) are skipped as well.
 struct AppendKVParams {
-  const void* k;               // [T, Hkv, D], last dim contiguous
-  const void* v;               // [T, Hkv, D], last dim contiguous
-  void* k_cache;               // [P, S, Hkv, D], last dim contiguous
-  void* v_cache;               // [P, S, Hkv, D], last dim contiguous
-  const int32_t* slot_mapping; // [T] int32, page * S + offset; negative = skip the token
-  int64_t k_stride_token;      // elements between k[t] and k[t + 1]
-  int64_t k_stride_head;       // elements between k[t, h] and k[t, h + 1]
+  const void* k;                // [T, Hkv, D], last dim contiguous
+  const void* v;                // [T, Hkv, D], last dim contiguous
+  void* k_cache;                // [P, S, Hkv, D], last dim contiguous
+  void* v_cache;                // [P, S, Hkv, D], last dim contiguous
+  const int32_t* slot_mapping;  // [T] int32, page * S + offset; negative = skip the token
+  int64_t k_stride_token;       // elements between k[t] and k[t + 1]
+  int64_t k_stride_head;        // elements between k[t, h] and k[t, h + 1]
   int64_t v_stride_token;
   int64_t v_stride_head;
   int64_t k_cache_stride_page;  // elements between pages of k_cache
@@ -47,7 +47,7 @@ struct AppendKVParams {
 // positions < seq_lens[b]; attn_mask (when not null) further removes positions where it is false
 // and every position >= mask_kv_len. A row that sees no position is written as zeros.
 struct PagedAttentionParams {
-  const void* q;          // [T, Hq, D], last dim contiguous, strides multiples of 8 elements
+  const void* q;           // [T, Hq, D], last dim contiguous, strides multiples of 8 elements
   int64_t q_stride_token;  // elements between q[t] and q[t + 1]
   int64_t q_stride_head;   // elements between q[t, h] and q[t, h + 1]
 
@@ -61,23 +61,23 @@ struct PagedAttentionParams {
   int block_table_width;       // W; W * S bounds every seq_len
   const int32_t* seq_lens;     // [B] int32, kv length of each sequence including its new tokens
 
-  const bool* attn_mask;     // [T, K] bool (True = attend) or null; last dim contiguous
+  const bool* attn_mask;      // [T, K] bool (True = attend) or null; last dim contiguous
   int64_t mask_stride_token;  // elements between attn_mask[t] and attn_mask[t + 1]
-  int mask_kv_len;           // K
+  int mask_kv_len;            // K
 
   void* out;                 // [T, Hq, D], written
   int64_t out_stride_token;  // elements
   int64_t out_stride_head;   // elements
 
-  int num_seqs;         // B
-  int num_tokens;       // T
-  int num_q_heads;      // Hq
-  int num_kv_heads;     // Hkv; Hq % Hkv == 0
-  int head_dim;         // D
-  int log2_page_size;   // log2(S)
+  int num_seqs;        // B
+  int num_tokens;      // T
+  int num_q_heads;     // Hq
+  int num_kv_heads;    // Hkv; Hq % Hkv == 0
+  int head_dim;        // D
+  int log2_page_size;  // log2(S)
   bool is_causal;
-  float scale;          // softmax scale applied to q . k
-  ScalarType dtype;     // kFloat16 or kBFloat16
+  float scale;       // softmax scale applied to q . k
+  ScalarType dtype;  // kFloat16 or kBFloat16
 };
 
 // Decode: exactly one new token per sequence (T == B, token b belongs to sequence b).
@@ -86,8 +86,8 @@ struct PagedAttentionParams {
 // every length up to W * S. With num_splits > 1 the partial results go to the workspace and a merge
 // kernel writes `out`.
 struct PagedDecodeParams : PagedAttentionParams {
-  int num_splits;            // from paged_decode_num_splits(); 1 = no workspace needed
-  float* workspace;          // paged_decode_workspace_floats() floats, or null when num_splits == 1
+  int num_splits;    // from paged_decode_num_splits(); 1 = no workspace needed
+  float* workspace;  // paged_decode_workspace_floats() floats, or null when num_splits == 1
 };
 
 // Prefill: a ragged batch of new tokens per sequence.

@@ -15,6 +15,12 @@
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
 // fragment loaded by ldmatrix feeds two mma), which is the limit at one block of 16.
+// Alternatives compiled for D = 128 (sm_90, ptxas -v), all at the 255-register cap of 2 blocks/SM:
+// 64-wide K/V tiles spill ~200 bytes, Q fragments kept in registers spill ~190 bytes, an XOR
+// swizzle instead of row padding spilled (one address register per fragment). The chosen 128x32
+// tile feeds 4 mma per ldmatrix.x4, so shared-memory bandwidth and mma.sync issue are about equal;
+// measured ~250-260 TFLOP/s causal on H200 (see benchmarks/kernel_dev.py). Beyond that needs
+// Hopper wgmma (operands straight from shared memory), not done yet.
 #pragma once
 
 namespace astrai::kernels {

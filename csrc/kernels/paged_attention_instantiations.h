@@ -1,0 +1,30 @@
+// Declarations of the paged attention instantiations, each defined in its own
+// paged_{decode,prefill}_hdim<D>.cu (so the host dispatch does not compile every kernel again).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch.h"
+#include "paged_attention_params.h"
+
+namespace astrai::kernels {
+
+// Everything the kernel reads, flattened from PagedDecodeParams / PagedPrefillParams.
+struct PagedKernelArgs {
+  PagedAttentionParams base;
+  const int32_t* query_start_loc;  // [B + 1], null in decode (token b = sequence b)
+  int num_splits;                  // decode: kv chunks per sequence (grid z)
+  float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
+  float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
+  float scale_log2;                // scale * log2(e): softmax runs on exp2
+};
+
+// Launches the attention kernel for head dim D, element type T (__nv_bfloat16 or __half), decode or
+// prefill, over grid_rows packed query rows per (sequence, kv head); decode with num_splits > 1
+// also launches the merge kernel. Returns the launch error, if any.
+template <int D, typename T, bool kDecode>
+LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream);
+
+}  // namespace astrai::kernels
