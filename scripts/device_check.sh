@@ -10,7 +10,7 @@ step build
 start=$(date +%s)
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
-python3 -m astrai.extension.info | tee "$OUT/info.txt"
+python3 -m astrai.extension.info
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   step pytest
   python3 -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -25
