@@ -63,7 +63,7 @@ def sync() -> None:
 
 def free_cached() -> None:
     if DEVICE == "cuda":
-        free_cached()
+        torch.cuda.empty_cache()
 
 
 # --------------------------------------------------------------------------------------------
