@@ -11,6 +11,7 @@
 
 #include "attention_args.h"
 #include "backends/backends.h"
+#include "check.h"
 #include "dispatch/backend_status.h"
 #include "dispatch/capability.h"
 #include "dispatch/override_stack.h"
@@ -86,7 +87,7 @@ at::Tensor attention(
       v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
   const CallDescription call = validate_and_describe(args);
   const Decision& decision = decide(call, backend);
-  TORCH_CHECK(decision.chosen.has_value(), decision.error);
+  ASTR_CHECK(decision.chosen.has_value(), decision.error);
   report_fallback(decision, call);
   switch (*decision.chosen) {
     case Backend::kCuda:
@@ -96,7 +97,7 @@ at::Tensor attention(
     case Backend::kTorchNative:
       return args.paged() ? torch_native_paged(args) : torch_native_dense(args);
   }
-  TORCH_CHECK(false, "unreachable backend");
+  ASTR_CHECK(false, "unreachable backend");
 }
 
 std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
@@ -120,8 +121,8 @@ std::string check_backend(c10::string_view backend, const at::Tensor& q,
                           std::optional<c10::string_view> mode, bool placement) {
   const std::string name(backend.data(), backend.size());
   const auto parsed = dispatch::parse_backend(name);
-  TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name,
-                    "' (valid: ", dispatch::valid_backend_names(), ")");
+  ASTR_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name,
+                   "' (valid: ", dispatch::valid_backend_names(), ")");
   const CallDescription call = describe_form(q, k_cache, attn_mask, is_causal, parse_mode(mode));
   const auto reasons =
       dispatch::rejection_reasons(*parsed, call, BackendStatusTable::instance().get(*parsed),
@@ -135,13 +136,13 @@ void push_backend(c10::string_view name) {
   try {
     OverrideStack::current().push(std::string(name.data(), name.size()));
   } catch (const std::invalid_argument& error) {
-    TORCH_CHECK_VALUE(false, error.what());
+    ASTR_CHECK_VALUE(false, error.what());
   }
 }
 
 void pop_backend() {
-  TORCH_CHECK(OverrideStack::current().depth() > 0,
-              "pop_backend: the attention backend override stack is empty");
+  ASTR_CHECK(OverrideStack::current().depth() > 0,
+             "pop_backend: the attention backend override stack is empty");
   OverrideStack::current().pop();
 }
 
@@ -159,7 +160,7 @@ void set_backend_status(c10::string_view backend, bool available, c10::string_vi
                         int64_t version) {
   const std::string name(backend.data(), backend.size());
   const auto parsed = dispatch::parse_backend(name);
-  TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
+  ASTR_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
   BackendStatusTable::instance().set(
       *parsed, {available, std::string(reason.data(), reason.size()), static_cast<int>(version)});
 }
@@ -167,7 +168,7 @@ void set_backend_status(c10::string_view backend, bool available, c10::string_vi
 std::string backend_status(c10::string_view backend) {
   const std::string name(backend.data(), backend.size());
   const auto parsed = dispatch::parse_backend(name);
-  TORCH_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
+  ASTR_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
   const dispatch::BackendStatus status = BackendStatusTable::instance().get(*parsed);
   std::string reason;
   for (char c : status.reason)

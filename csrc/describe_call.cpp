@@ -7,6 +7,7 @@
 #include <string>
 
 #include "attention_args.h"
+#include "check.h"
 #include "device_arch.h"
 
 namespace astr {
@@ -55,68 +56,68 @@ std::string shape_string(const at::Tensor& t) {
 }
 
 void check_same_device(const at::Tensor& q, const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device() == q.device(), name, ": expected a tensor on ", q.device(),
-              " (the device of q), got ", t.device());
+  ASTR_CHECK(t.device() == q.device(), name, ": expected a tensor on ", q.device(),
+             " (the device of q), got ", t.device());
 }
 
 void check_float_like_q(const at::Tensor& q, const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(),
-              " (the dtype of q), got ", t.scalar_type());
+  ASTR_CHECK(t.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(),
+             " (the dtype of q), got ", t.scalar_type());
   check_same_device(q, t, name);
 }
 
 void check_metadata(const at::Tensor& q, const at::Tensor& t, const char* name, int64_t rank,
                     const char* layout) {
-  TORCH_CHECK(t.dim() == rank, name, ": expected a ", rank, "-D tensor ", layout, ", got shape ",
-              shape_string(t));
-  TORCH_CHECK(t.scalar_type() == at::kInt, name, ": expected dtype int32, got ", t.scalar_type());
+  ASTR_CHECK(t.dim() == rank, name, ": expected a ", rank, "-D tensor ", layout, ", got shape ",
+             shape_string(t));
+  ASTR_CHECK(t.scalar_type() == at::kInt, name, ": expected dtype int32, got ", t.scalar_type());
   check_same_device(q, t, name);
 }
 
 void check_mask_dtype(const at::Tensor& q, const at::Tensor& mask) {
-  TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type(),
-              "attn_mask: expected dtype bool (True = attend) or ", q.scalar_type(),
-              " (additive, like q), got ", mask.scalar_type());
+  ASTR_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type(),
+             "attn_mask: expected dtype bool (True = attend) or ", q.scalar_type(),
+             " (additive, like q), got ", mask.scalar_type());
   check_same_device(q, mask, "attn_mask");
 }
 
 void validate_dense(const AttentionArgs& a) {
   const at::Tensor& q = a.q;
-  TORCH_CHECK(q.dim() == 4, "q: expected a 4-D tensor [batch, q_len, q_heads, head_dim] (BLHD), ",
-              "got shape ", shape_string(q));
-  TORCH_CHECK(a.k.has_value() && a.v.has_value(),
-              "k, v: required for dense calls (pass k_cache and its metadata for paged calls)");
-  TORCH_CHECK(!a.block_table && !a.seq_lens && !a.query_start_loc && !a.v_cache,
-              "k_cache: block_table/seq_lens/query_start_loc/v_cache given without k_cache");
+  ASTR_CHECK(q.dim() == 4, "q: expected a 4-D tensor [batch, q_len, q_heads, head_dim] (BLHD), ",
+             "got shape ", shape_string(q));
+  ASTR_CHECK(a.k.has_value() && a.v.has_value(),
+             "k, v: required for dense calls (pass k_cache and its metadata for paged calls)");
+  ASTR_CHECK(!a.block_table && !a.seq_lens && !a.query_start_loc && !a.v_cache,
+             "k_cache: block_table/seq_lens/query_start_loc/v_cache given without k_cache");
   const at::Tensor& k = *a.k;
   const at::Tensor& v = *a.v;
   for (auto [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
-    TORCH_CHECK(t->dim() == 4, name,
-                ": expected a 4-D tensor [batch, kv_len, kv_heads, head_dim] (BLHD), got shape ",
-                shape_string(*t));
+    ASTR_CHECK(t->dim() == 4, name,
+               ": expected a 4-D tensor [batch, kv_len, kv_heads, head_dim] (BLHD), got shape ",
+               shape_string(*t));
     check_float_like_q(q, *t, name);
-    TORCH_CHECK(t->size(0) == q.size(0), name, ": batch ", t->size(0), " does not match q's ",
-                q.size(0));
+    ASTR_CHECK(t->size(0) == q.size(0), name, ": batch ", t->size(0), " does not match q's ",
+               q.size(0));
   }
-  TORCH_CHECK(k.size(1) == v.size(1), "v: kv_len ", v.size(1), " does not match k's ", k.size(1));
-  TORCH_CHECK(k.size(2) == v.size(2), "v: kv_heads ", v.size(2), " does not match k's ", k.size(2));
-  TORCH_CHECK(k.size(3) == q.size(3), "k: head_dim ", k.size(3), " does not match q's ", q.size(3));
-  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "k: q heads (", q.size(2),
-              ") must be a multiple of kv heads (", k.size(2), ")");
+  ASTR_CHECK(k.size(1) == v.size(1), "v: kv_len ", v.size(1), " does not match k's ", k.size(1));
+  ASTR_CHECK(k.size(2) == v.size(2), "v: kv_heads ", v.size(2), " does not match k's ", k.size(2));
+  ASTR_CHECK(k.size(3) == q.size(3), "k: head_dim ", k.size(3), " does not match q's ", q.size(3));
+  ASTR_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "k: q heads (", q.size(2),
+             ") must be a multiple of kv heads (", k.size(2), ")");
   if (a.attn_mask) {
     const at::Tensor& mask = *a.attn_mask;
     check_mask_dtype(q, mask);
-    TORCH_CHECK(mask.dim() >= 2 && mask.dim() <= 4,
-                "attn_mask: expected 2 to 4 dims broadcastable to [batch, q_heads, q_len, kv_len],"
-                " got shape ",
-                shape_string(mask));
+    ASTR_CHECK(mask.dim() >= 2 && mask.dim() <= 4,
+               "attn_mask: expected 2 to 4 dims broadcastable to [batch, q_heads, q_len, kv_len],"
+               " got shape ",
+               shape_string(mask));
     const int64_t full[4] = {q.size(0), q.size(2), q.size(1), k.size(1)};
     for (int64_t i = 0; i < mask.dim(); ++i) {
       int64_t target = full[4 - mask.dim() + i];
       int64_t size = mask.size(i);
-      TORCH_CHECK(size == 1 || size == target, "attn_mask: shape ", shape_string(mask),
-                  " does not broadcast to [batch, q_heads, q_len, kv_len] = [", full[0], ", ",
-                  full[1], ", ", full[2], ", ", full[3], "]");
+      ASTR_CHECK(size == 1 || size == target, "attn_mask: shape ", shape_string(mask),
+                 " does not broadcast to [batch, q_heads, q_len, kv_len] = [", full[0], ", ",
+                 full[1], ", ", full[2], ", ", full[3], "]");
     }
   }
 }
@@ -144,85 +145,85 @@ void validate_paged_values(const AttentionArgs& a, int64_t num_pages, int64_t pa
   if (a.query_start_loc) starts = a.query_start_loc->contiguous();
   const int32_t* start = starts ? starts->data_ptr<int32_t>() : nullptr;
   if (start) {
-    TORCH_CHECK(start[0] == 0, "query_start_loc: must start at 0, got ", start[0]);
-    TORCH_CHECK(start[batch] == a.q.size(0), "query_start_loc: last entry ", start[batch],
-                " must equal the number of query tokens (q.size(0) = ", a.q.size(0), ")");
+    ASTR_CHECK(start[0] == 0, "query_start_loc: must start at 0, got ", start[0]);
+    ASTR_CHECK(start[batch] == a.q.size(0), "query_start_loc: last entry ", start[batch],
+               " must equal the number of query tokens (q.size(0) = ", a.q.size(0), ")");
   }
   for (int64_t b = 0; b < batch; ++b) {
     int64_t q_len = 1;
     if (!a.decode()) {
-      TORCH_CHECK(start != nullptr, "query_start_loc: required for paged prefill");
+      ASTR_CHECK(start != nullptr, "query_start_loc: required for paged prefill");
       q_len = start[b + 1] - start[b];
-      TORCH_CHECK(q_len >= 0, "query_start_loc: must be non-decreasing, entry ", b + 1, " is ",
-                  start[b + 1], " after ", start[b]);
-      TORCH_CHECK(q_len <= a.max_query_len, "max_query_len: ", a.max_query_len,
-                  " is less than sequence ", b, "'s ", q_len, " new tokens");
+      ASTR_CHECK(q_len >= 0, "query_start_loc: must be non-decreasing, entry ", b + 1, " is ",
+                 start[b + 1], " after ", start[b]);
+      ASTR_CHECK(q_len <= a.max_query_len, "max_query_len: ", a.max_query_len,
+                 " is less than sequence ", b, "'s ", q_len, " new tokens");
     }
-    TORCH_CHECK(lens[b] >= q_len, "seq_lens: sequence ", b, " has length ", lens[b],
-                ", fewer than its ", q_len, " new tokens (seq_lens counts cached + new tokens)");
-    TORCH_CHECK(lens[b] <= width * page_size, "seq_lens: sequence ", b, " has length ", lens[b],
-                " but its block_table row holds only ", width, " pages of ", page_size, " tokens");
+    ASTR_CHECK(lens[b] >= q_len, "seq_lens: sequence ", b, " has length ", lens[b],
+               ", fewer than its ", q_len, " new tokens (seq_lens counts cached + new tokens)");
+    ASTR_CHECK(lens[b] <= width * page_size, "seq_lens: sequence ", b, " has length ", lens[b],
+               " but its block_table row holds only ", width, " pages of ", page_size, " tokens");
     const int64_t pages_used = (lens[b] + page_size - 1) / page_size;
     for (int64_t i = 0; i < pages_used; ++i) {
       int32_t page = table[b * width + i];
-      TORCH_CHECK(page >= 0 && page < num_pages, "block_table: entry [", b, ", ", i, "] = ", page,
-                  " is out of range for a pool of ", num_pages, " pages");
+      ASTR_CHECK(page >= 0 && page < num_pages, "block_table: entry [", b, ", ", i, "] = ", page,
+                 " is out of range for a pool of ", num_pages, " pages");
     }
   }
 }
 
 void validate_paged(const AttentionArgs& a) {
   const at::Tensor& q = a.q;
-  TORCH_CHECK(q.dim() == 3, "q: expected a 3-D tensor [tokens, q_heads, head_dim] for paged ",
-              "calls, got shape ", shape_string(q));
-  TORCH_CHECK(!a.k && !a.v,
-              "k, v: must be None for paged calls; write new tokens with astr::append_kv first");
-  TORCH_CHECK(a.mode != Mode::kTraining, "mode: paged calls need mode 'prefill' or 'decode'");
-  TORCH_CHECK(a.v_cache.has_value(), "v_cache: required with k_cache");
-  TORCH_CHECK(a.block_table.has_value(), "block_table: required with k_cache");
-  TORCH_CHECK(a.seq_lens.has_value(), "seq_lens: required with k_cache");
+  ASTR_CHECK(q.dim() == 3, "q: expected a 3-D tensor [tokens, q_heads, head_dim] for paged ",
+             "calls, got shape ", shape_string(q));
+  ASTR_CHECK(!a.k && !a.v,
+             "k, v: must be None for paged calls; write new tokens with astr::append_kv first");
+  ASTR_CHECK(a.mode != Mode::kTraining, "mode: paged calls need mode 'prefill' or 'decode'");
+  ASTR_CHECK(a.v_cache.has_value(), "v_cache: required with k_cache");
+  ASTR_CHECK(a.block_table.has_value(), "block_table: required with k_cache");
+  ASTR_CHECK(a.seq_lens.has_value(), "seq_lens: required with k_cache");
   const at::Tensor& k_cache = *a.k_cache;
   const at::Tensor& v_cache = *a.v_cache;
   for (auto [t, name] : {std::pair{&k_cache, "k_cache"}, std::pair{&v_cache, "v_cache"}}) {
-    TORCH_CHECK(t->dim() == 4, name,
-                ": expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got shape ",
-                shape_string(*t));
+    ASTR_CHECK(t->dim() == 4, name,
+               ": expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got shape ",
+               shape_string(*t));
     check_float_like_q(q, *t, name);
   }
-  TORCH_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
-                  v_cache.size(2) == k_cache.size(2),
-              "v_cache: shape ", shape_string(v_cache), " does not match k_cache's ",
-              shape_string(k_cache), " in pages, page_size and kv_heads");
-  TORCH_CHECK(k_cache.size(3) == q.size(2), "k_cache: head_dim ", k_cache.size(3),
-              " does not match q's ", q.size(2));
-  TORCH_CHECK(k_cache.size(1) >= 1, "k_cache: page_size must be at least 1");
-  TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "k_cache: q heads (",
-              q.size(1), ") must be a multiple of kv heads (", k_cache.size(2), ")");
+  ASTR_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                 v_cache.size(2) == k_cache.size(2),
+             "v_cache: shape ", shape_string(v_cache), " does not match k_cache's ",
+             shape_string(k_cache), " in pages, page_size and kv_heads");
+  ASTR_CHECK(k_cache.size(3) == q.size(2), "k_cache: head_dim ", k_cache.size(3),
+             " does not match q's ", q.size(2));
+  ASTR_CHECK(k_cache.size(1) >= 1, "k_cache: page_size must be at least 1");
+  ASTR_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "k_cache: q heads (",
+             q.size(1), ") must be a multiple of kv heads (", k_cache.size(2), ")");
   check_metadata(q, *a.block_table, "block_table", 2, "[batch, pages_per_seq]");
   check_metadata(q, *a.seq_lens, "seq_lens", 1, "[batch]");
   const int64_t batch = a.seq_lens->size(0);
-  TORCH_CHECK(a.block_table->size(0) == batch, "block_table: has ", a.block_table->size(0),
-              " rows, expected one per sequence (", batch, ", from seq_lens)");
+  ASTR_CHECK(a.block_table->size(0) == batch, "block_table: has ", a.block_table->size(0),
+             " rows, expected one per sequence (", batch, ", from seq_lens)");
   if (a.query_start_loc) {
     check_metadata(q, *a.query_start_loc, "query_start_loc", 1, "[batch + 1]");
-    TORCH_CHECK(a.query_start_loc->size(0) == batch + 1, "query_start_loc: has ",
-                a.query_start_loc->size(0), " entries, expected batch + 1 = ", batch + 1);
+    ASTR_CHECK(a.query_start_loc->size(0) == batch + 1, "query_start_loc: has ",
+               a.query_start_loc->size(0), " entries, expected batch + 1 = ", batch + 1);
   } else {
-    TORCH_CHECK(a.decode(), "query_start_loc: required for paged prefill");
+    ASTR_CHECK(a.decode(), "query_start_loc: required for paged prefill");
   }
   if (a.decode()) {
-    TORCH_CHECK(q.size(0) == batch, "q: decode takes one token per sequence: expected ", batch,
-                " tokens (from seq_lens), got ", q.size(0));
+    ASTR_CHECK(q.size(0) == batch, "q: decode takes one token per sequence: expected ", batch,
+               " tokens (from seq_lens), got ", q.size(0));
   } else {
-    TORCH_CHECK(a.max_query_len >= 1, "max_query_len: required for paged prefill: the largest ",
-                "number of new tokens of any sequence (a host int, so no op reads lengths back)");
+    ASTR_CHECK(a.max_query_len >= 1, "max_query_len: required for paged prefill: the largest ",
+               "number of new tokens of any sequence (a host int, so no op reads lengths back)");
   }
   if (a.attn_mask) {
     check_mask_dtype(q, *a.attn_mask);
-    TORCH_CHECK(a.attn_mask->dim() == 2 && a.attn_mask->size(0) == q.size(0),
-                "attn_mask: paged calls take a 2-D mask [tokens, kv_positions] with one row per "
-                "query token (",
-                q.size(0), "), got shape ", shape_string(*a.attn_mask));
+    ASTR_CHECK(a.attn_mask->dim() == 2 && a.attn_mask->size(0) == q.size(0),
+               "attn_mask: paged calls take a 2-D mask [tokens, kv_positions] with one row per "
+               "query token (",
+               q.size(0), "), got shape ", shape_string(*a.attn_mask));
   }
   if (q.device().is_cpu() && has_readable_data(*a.block_table) && has_readable_data(*a.seq_lens) &&
       (!a.query_start_loc || has_readable_data(*a.query_start_loc))) {
@@ -250,12 +251,12 @@ Mode parse_mode(std::optional<c10::string_view> mode) {
   std::string name(mode->data(), mode->size());
   if (name == "prefill") return Mode::kPrefill;
   if (name == "decode") return Mode::kDecode;
-  TORCH_CHECK_VALUE(false, "mode: expected None, 'prefill' or 'decode', got '", name, "'");
+  ASTR_CHECK_VALUE(false, "mode: expected None, 'prefill' or 'decode', got '", name, "'");
 }
 
 CallDescription validate_and_describe(const AttentionArgs& a) {
-  TORCH_CHECK(a.q.is_floating_point(), "q: expected a floating-point tensor, got ",
-              a.q.scalar_type());
+  ASTR_CHECK(a.q.is_floating_point(), "q: expected a floating-point tensor, got ",
+             a.q.scalar_type());
   if (a.paged()) {
     validate_paged(a);
   } else {
@@ -299,10 +300,10 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
   call.num_kv_heads = call.num_q_heads;
   call.has_kv_cache = k_cache.has_value();
   if (k_cache) {
-    TORCH_CHECK(k_cache->dim() == 4,
-                "k_cache: expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got "
-                "shape ",
-                shape_string(*k_cache));
+    ASTR_CHECK(k_cache->dim() == 4,
+               "k_cache: expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got "
+               "shape ",
+               shape_string(*k_cache));
     call.num_kv_heads = static_cast<int>(k_cache->size(2));
     call.page_size = static_cast<int>(k_cache->size(1));
   }

@@ -121,7 +121,10 @@ class TinyDecoder(nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x, positions, kv_cache, fwd, backend)
-        return self.lm_head(self.norm(x)) * self.config.logit_scale
+        # Logits in float32: bf16 logits are spaced 0.125 apart near 16, which turns greedy
+        # decoding into a coin toss between near-equal tokens.
+        hidden = self.norm(x).float()
+        return F.linear(hidden, self.lm_head.weight.float()) * self.config.logit_scale
 
     def make_cache(self, num_pages: int, page_size: int, dtype=None, device=None) -> PagedKVCache:
         c = self.config

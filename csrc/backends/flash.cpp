@@ -2,6 +2,7 @@
 // registers (wrapping the flash-attn package) once it has imported the package.
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include "../check.h"
 #include "backends.h"
 
 namespace astr {
@@ -10,9 +11,9 @@ namespace {
 
 const c10::OperatorHandle& flash_op(const char* name) {
   const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-  TORCH_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd),
-              "flash backend: ", name,
-              " has no implementation; astrai.extension registers it when it finds flash-attn");
+  ASTR_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd),
+             "flash backend: ", name,
+             " has no implementation; astrai.extension registers it when it finds flash-attn");
   return op;
 }
 

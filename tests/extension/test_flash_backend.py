@@ -119,7 +119,9 @@ def test_flash_dense_op_runs_the_package(flash_double, is_causal):
 def paged_case(device, dtype, page_size=256, seed=0):
     """A ragged batch with cached prefixes, written into a paged cache."""
     torch.manual_seed(seed)
-    cache = ae.PagedKVCache(1, 8, page_size, 2, 64, dtype=dtype, device=device)
+    cache = ae.PagedKVCache(
+        1, max(8, 2048 // page_size), page_size, 2, 64, dtype=dtype, device=device
+    )
     prompts = [300, 17, 520]
     cache.begin_step([0, 1, 2], prompts)
     total = sum(prompts)
