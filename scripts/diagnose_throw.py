@@ -1,4 +1,5 @@
 """Which error paths of the native library raise cleanly? Each case runs in a child process, so
+# ruff: noqa: E501
 a crash (a signal) is reported instead of ending the run."""
 
 import subprocess
@@ -19,8 +20,13 @@ CASES = {
 }
 worst = 0
 for name, code in CASES.items():
-    script = SETUP + f"try:\n    {code}\n    print('NO ERROR')\nexcept Exception as e:\n    print(type(e).__name__, str(e).splitlines()[0][:100])\n"
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True)
+    script = (
+        SETUP
+        + f"try:\n    {code}\n    print('NO ERROR')\nexcept Exception as e:\n    print(type(e).__name__, str(e).splitlines()[0][:100])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True
+    )
     outcome = result.stdout.strip() or result.stderr.strip().splitlines()[-1:]
     print(f"{name:<40} rc={result.returncode} {outcome}")
     if result.returncode != 0:

@@ -1,11 +1,11 @@
 // Binding of the KV append kernel (csrc/kernels/append_kv.cu) to the op astr::append_kv.
-#include "../check.h"
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include "../check.h"
 #include "../kernels/launch.h"
 
 namespace astrai::backends {
@@ -13,12 +13,12 @@ namespace {
 
 void check_rows(const at::Tensor& t, const char* name, int element_size) {
   ASTR_CHECK(t.stride(-1) == 1, "append_kv: ", name,
-              " must have a contiguous last dim (stride 1), got strides ", t.strides());
+             " must have a contiguous last dim (stride 1), got strides ", t.strides());
   ASTR_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "append_kv: ", name,
-              " must be 16-byte aligned");
+             " must be 16-byte aligned");
   for (int64_t d = 0; d + 1 < t.dim(); ++d)
     ASTR_CHECK((t.stride(d) * element_size) % 16 == 0 || t.size(d) == 1, "append_kv: ", name,
-                " strides must be multiples of 16 bytes, got ", t.strides());
+               " strides must be multiples of 16 bytes, got ", t.strides());
 }
 
 // Mutable pools as at::Tensor& (schema Tensor(a!)): every kernel of one op must share one C++
@@ -32,33 +32,33 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
                                 {&v_cache, "v_cache"},
                                 {&slot_mapping, "slot_mapping"}}) {
     ASTR_CHECK(t->is_cuda() && t->device() == device, "append_kv: ", name,
-                " must be a CUDA tensor on ", device, " (the device of k), got ", t->device());
+               " must be a CUDA tensor on ", device, " (the device of k), got ", t->device());
   }
   const at::ScalarType dtype = k.scalar_type();
   ASTR_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
-              "append_kv: k must be bfloat16, float16 or float32, got ", dtype);
+             "append_kv: k must be bfloat16, float16 or float32, got ", dtype);
   for (const auto& [t, name] : {std::pair{&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}})
-    ASTR_CHECK(t->scalar_type() == dtype, "append_kv: ", name, " must have the dtype of k (",
-                dtype, "), got ", t->scalar_type());
+    ASTR_CHECK(t->scalar_type() == dtype, "append_kv: ", name, " must have the dtype of k (", dtype,
+               "), got ", t->scalar_type());
   ASTR_CHECK(k.dim() == 3, "append_kv: k must have shape [T, Hkv, D] (rank 3), got ", k.sizes());
   ASTR_CHECK(v.sizes() == k.sizes(), "append_kv: v shape ", v.sizes(), " must equal k shape ",
-              k.sizes());
-  ASTR_CHECK(k_cache.dim() == 4,
-              "append_kv: k_cache must have shape [P, S, Hkv, D] (rank 4), got ", k_cache.sizes());
+             k.sizes());
+  ASTR_CHECK(k_cache.dim() == 4, "append_kv: k_cache must have shape [P, S, Hkv, D] (rank 4), got ",
+             k_cache.sizes());
   ASTR_CHECK(v_cache.sizes() == k_cache.sizes(), "append_kv: v_cache shape ", v_cache.sizes(),
-              " must equal k_cache shape ", k_cache.sizes());
+             " must equal k_cache shape ", k_cache.sizes());
   ASTR_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
-              "append_kv: k_cache [P, S, Hkv, D] = ", k_cache.sizes(),
-              " must match k [T, Hkv, D] = ", k.sizes(), " in Hkv and D");
+             "append_kv: k_cache [P, S, Hkv, D] = ", k_cache.sizes(),
+             " must match k [T, Hkv, D] = ", k.sizes(), " in Hkv and D");
   ASTR_CHECK(slot_mapping.scalar_type() == at::kInt, "append_kv: slot_mapping must be int32, got ",
-              slot_mapping.scalar_type());
+             slot_mapping.scalar_type());
   ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0),
-              "append_kv: slot_mapping must have shape [T] with T = ", k.size(0), ", got ",
-              slot_mapping.sizes());
+             "append_kv: slot_mapping must have shape [T] with T = ", k.size(0), ", got ",
+             slot_mapping.sizes());
   ASTR_CHECK(slot_mapping.is_contiguous(), "append_kv: slot_mapping must be contiguous");
   const int element_size = static_cast<int>(k.element_size());
   ASTR_CHECK((k.size(2) * element_size) % 16 == 0, "append_kv: k head dim ", k.size(2),
-              " times the element size must be a multiple of 16 bytes");
+             " times the element size must be a multiple of 16 bytes");
   check_rows(k, "k", element_size);
   check_rows(v, "v", element_size);
   check_rows(k_cache, "k_cache", element_size);

@@ -2,7 +2,6 @@
 // astr::cuda_paged_attention. Checks every argument, fills the parameter struct, launches on the
 // current stream. No host synchronisation and no allocation that depends on tensor values: the
 // decode path can be captured in a CUDA graph and replayed with new seq_lens.
-#include "../check.h"
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,6 +10,7 @@
 
 #include <optional>
 
+#include "../check.h"
 #include "../kernels/launch.h"
 
 namespace astrai::backends {
@@ -24,32 +24,32 @@ ScalarType to_kernel_dtype(at::ScalarType dtype) {
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
   ASTR_CHECK(t.is_cuda(), "cuda_paged_attention: ", name, " must be a CUDA tensor, got device ",
-              t.device());
+             t.device());
   ASTR_CHECK(t.device() == device, "cuda_paged_attention: ", name, " must be on ", device,
-              " (the device of q), got ", t.device());
+             " (the device of q), got ", t.device());
 }
 
 void check_int32_vector(const at::Tensor& t, const char* name, int64_t expected_len,
                         const at::Device& device) {
   check_cuda_tensor(t, name, device);
   ASTR_CHECK(t.scalar_type() == at::kInt, "cuda_paged_attention: ", name, " must be int32, got ",
-              t.scalar_type());
+             t.scalar_type());
   ASTR_CHECK(t.dim() == 1 && t.size(0) == expected_len, "cuda_paged_attention: ", name,
-              " must have shape [", expected_len, "], got ", t.sizes());
+             " must have shape [", expected_len, "], got ", t.sizes());
   ASTR_CHECK(t.stride(0) == 1 || t.size(0) <= 1, "cuda_paged_attention: ", name,
-              " must be contiguous");
+             " must be contiguous");
 }
 
 // cp.async moves 16 bytes: base pointer and every stride of a 16-bit tensor must be multiples of 8
 // elements.
 void check_16_byte_rows(const at::Tensor& t, const char* name) {
   ASTR_CHECK(t.stride(-1) == 1, "cuda_paged_attention: ", name,
-              " must have a contiguous last dim (stride 1), got strides ", t.strides());
+             " must have a contiguous last dim (stride 1), got strides ", t.strides());
   ASTR_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "cuda_paged_attention: ", name,
-              " must be 16-byte aligned");
+             " must be 16-byte aligned");
   for (int64_t d = 0; d + 1 < t.dim(); ++d)
     ASTR_CHECK(t.stride(d) % 8 == 0 || t.size(d) == 1, "cuda_paged_attention: ", name,
-                " strides must be multiples of 8 elements (16 bytes), got ", t.strides());
+               " strides must be multiples of 8 elements (16 bytes), got ", t.strides());
 }
 
 int log2_of_power_of_two(int64_t value) {
@@ -64,58 +64,56 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                 int64_t max_query_len, bool decode,
                                 const std::optional<at::Tensor>& attn_mask, bool is_causal,
                                 double scale) {
-  ASTR_CHECK(q.is_cuda(), "cuda_paged_attention: q must be a CUDA tensor, got device ",
-              q.device());
+  ASTR_CHECK(q.is_cuda(), "cuda_paged_attention: q must be a CUDA tensor, got device ", q.device());
   const at::Device device = q.device();
   ASTR_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-              "cuda_paged_attention: q must be bfloat16 or float16, got ", q.scalar_type());
+             "cuda_paged_attention: q must be bfloat16 or float16, got ", q.scalar_type());
   ASTR_CHECK(q.dim() == 3, "cuda_paged_attention: q must have shape [T, Hq, D] (rank 3), got ",
-              q.sizes());
+             q.sizes());
   const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   ASTR_CHECK(kernels::is_supported_head_dim(static_cast<int>(head_dim)),
-              "cuda_paged_attention: q: ", kernels::unsupported_head_dim_message(head_dim));
+             "cuda_paged_attention: q: ", kernels::unsupported_head_dim_message(head_dim));
   check_16_byte_rows(q, "q");
 
   for (const auto& [cache, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
     check_cuda_tensor(*cache, name, device);
     ASTR_CHECK(cache->scalar_type() == q.scalar_type(), "cuda_paged_attention: ", name,
-                " must have the dtype of q (", q.scalar_type(), "), got ", cache->scalar_type());
+               " must have the dtype of q (", q.scalar_type(), "), got ", cache->scalar_type());
     ASTR_CHECK(cache->dim() == 4, "cuda_paged_attention: ", name,
-                " must have shape [P, S, Hkv, D] (rank 4), got ", cache->sizes());
+               " must have shape [P, S, Hkv, D] (rank 4), got ", cache->sizes());
     ASTR_CHECK(cache->size(3) == head_dim, "cuda_paged_attention: ", name, " head dim ",
-                cache->size(3), " must equal q's head dim ", head_dim);
+               cache->size(3), " must equal q's head dim ", head_dim);
     check_16_byte_rows(*cache, name);
   }
   ASTR_CHECK(v_cache.sizes() == k_cache.sizes(), "cuda_paged_attention: v_cache shape ",
-              v_cache.sizes(), " must equal k_cache shape ", k_cache.sizes());
+             v_cache.sizes(), " must equal k_cache shape ", k_cache.sizes());
   const int64_t page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   ASTR_CHECK(page_size >= 1 && (page_size & (page_size - 1)) == 0,
-              "cuda_paged_attention: k_cache page size (dim 1) must be a power of two, got ",
-              page_size);
+             "cuda_paged_attention: k_cache page size (dim 1) must be a power of two, got ",
+             page_size);
   ASTR_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0,
-              "cuda_paged_attention: q heads (", num_q_heads,
-              ") must be a multiple of k_cache kv heads (", num_kv_heads, ")");
+             "cuda_paged_attention: q heads (", num_q_heads,
+             ") must be a multiple of k_cache kv heads (", num_kv_heads, ")");
 
   check_cuda_tensor(block_table, "block_table", device);
   ASTR_CHECK(block_table.scalar_type() == at::kInt,
-              "cuda_paged_attention: block_table must be int32, got ", block_table.scalar_type());
+             "cuda_paged_attention: block_table must be int32, got ", block_table.scalar_type());
   ASTR_CHECK(block_table.dim() == 2,
-              "cuda_paged_attention: block_table must have shape [B, W], got ",
-              block_table.sizes());
+             "cuda_paged_attention: block_table must have shape [B, W], got ", block_table.sizes());
   ASTR_CHECK(block_table.stride(1) == 1 || block_table.size(1) <= 1,
-              "cuda_paged_attention: block_table must have a contiguous last dim");
+             "cuda_paged_attention: block_table must have a contiguous last dim");
   const int64_t num_seqs = block_table.size(0);
   check_int32_vector(seq_lens, "seq_lens", num_seqs, device);
   if (decode) {
     ASTR_CHECK(num_tokens == num_seqs,
-                "cuda_paged_attention: decode needs one token per sequence: q has ", num_tokens,
-                " tokens, block_table has ", num_seqs, " sequences");
+               "cuda_paged_attention: decode needs one token per sequence: q has ", num_tokens,
+               " tokens, block_table has ", num_seqs, " sequences");
   } else {
     check_int32_vector(query_start_loc, "query_start_loc", num_seqs + 1, device);
     ASTR_CHECK(max_query_len >= 0, "cuda_paged_attention: max_query_len must be >= 0, got ",
-                max_query_len);
+               max_query_len);
     ASTR_CHECK(num_tokens == 0 || max_query_len > 0,
-                "cuda_paged_attention: max_query_len must be >= 1 when q has tokens");
+               "cuda_paged_attention: max_query_len must be >= 1 when q has tokens");
   }
   const bool* mask_ptr = nullptr;
   int64_t mask_stride = 0, mask_kv_len = 0;
@@ -123,19 +121,19 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     const at::Tensor& mask = *attn_mask;
     check_cuda_tensor(mask, "attn_mask", device);
     ASTR_CHECK(mask.scalar_type() == at::kBool,
-                "cuda_paged_attention: attn_mask must be bool (True = attend), got ",
-                mask.scalar_type());
+               "cuda_paged_attention: attn_mask must be bool (True = attend), got ",
+               mask.scalar_type());
     ASTR_CHECK(mask.dim() == 2 && mask.size(0) == num_tokens,
-                "cuda_paged_attention: attn_mask must have shape [T, K] with T = ", num_tokens,
-                ", got ", mask.sizes());
+               "cuda_paged_attention: attn_mask must have shape [T, K] with T = ", num_tokens,
+               ", got ", mask.sizes());
     ASTR_CHECK(mask.stride(1) == 1 || mask.size(1) <= 1,
-                "cuda_paged_attention: attn_mask must have a contiguous last dim");
+               "cuda_paged_attention: attn_mask must have a contiguous last dim");
     mask_ptr = mask.data_ptr<bool>();
     mask_stride = mask.stride(0);
     mask_kv_len = mask.size(1);
   }
   ASTR_CHECK(num_tokens <= INT32_MAX && num_seqs <= INT32_MAX,
-              "cuda_paged_attention: too many tokens");
+             "cuda_paged_attention: too many tokens");
 
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({num_tokens, num_q_heads, head_dim}, q.options());

@@ -19,7 +19,7 @@
 // 64-wide K/V tiles spill ~200 bytes, Q fragments kept in registers spill ~190 bytes, an XOR
 // swizzle instead of row padding spilled (one address register per fragment). The chosen 128x32
 // tile feeds 4 mma per ldmatrix.x4, so shared-memory bandwidth and mma.sync issue are about equal;
-// measured ~250-260 TFLOP/s causal on H200 (see benchmarks/kernel_dev.py). Beyond that needs
+// measured ~250-260 TFLOP/s causal on H200 (benchmarks/bench_attention.py). Beyond that needs
 // Hopper wgmma (operands straight from shared memory), not done yet.
 #pragma once
 
