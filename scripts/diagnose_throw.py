@@ -1,5 +1,5 @@
-"""Which error paths of the native library raise cleanly? Each case runs in a child process, so
 # ruff: noqa: E501
+"""Which error paths of the native library raise cleanly? Each case runs in a child process, so
 a crash (a signal) is reported instead of ending the run."""
 
 import subprocess
