@@ -50,7 +50,8 @@ const Decision& decide(const CallDescription& call,
 // An implicit choice that skipped a backend which is present: say so once per distinct reason.
 // Training calls skipping the cache-only cuda kernels are by design, not a slow path.
 void report_fallback(const Decision& decision, const CallDescription& call) {
-  if (!decision.fell_back || !decision.chosen) return;
+  if (!decision.fell_back || !decision.chosen || decision.fallback_reported) return;
+  decision.fallback_reported = true;
   std::string key = std::string("-> ") + dispatch::backend_name(*decision.chosen);
   std::string skipped;
   for (Backend backend : dispatch::kAllBackends) {
