@@ -62,7 +62,9 @@ at::Tensor torch_native_paged(const AttentionArgs& a) {
     const at::Tensor starts = a.query_start_loc->to(at::kLong);  // [B+1]
     q_len = starts.slice(0, 1) - starts.slice(0, 0, batch);
     const at::Tensor token = at::arange(tokens, long_opts);
-    seq_of_token = at::searchsorted(starts.slice(0, 1), token, /*out_int32=*/false, /*right=*/true)
+    // Searching the whole of `starts` (not a slice of it): inductor cannot lower searchsorted
+    // over a sliced boundary tensor on CUDA (torch 2.11: NotImplementedError: SliceView).
+    seq_of_token = (at::searchsorted(starts, token, /*out_int32=*/false, /*right=*/true) - 1)
                        .clamp(0, batch - 1);
     pos_of_token = (token - starts.index_select(0, seq_of_token)).clamp(0, max_q - 1);
   }

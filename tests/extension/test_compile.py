@@ -540,6 +540,7 @@ def test_decode_step_replays_under_reduce_overhead():
         # The pools are mutated inputs: CUDA graph trees only keep them (and skip copying them
         # into static buffers) when their address is marked static.
         torch._dynamo.mark_static_address(pool)
+    pointers = [p.data_ptr() for p in graph_cache.k_pools + graph_cache.v_pools]
     counters.clear()
     compiled = torch.compile(model.step, mode="reduce-overhead", fullgraph=True)
     for step in range(GRAPH_STEPS):
@@ -550,7 +551,12 @@ def test_decode_step_replays_under_reduce_overhead():
         expected = model.step(*inputs[:2], eager_cache, "decode", backend="cuda")
         assert_decode_matches(actual, expected, step)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    # The replayed graphs wrote into the caller's pools, not into copies of them.
+    assert [p.data_ptr() for p in graph_cache.k_pools + graph_cache.v_pools] == pointers
     for mine, theirs in zip(
         graph_cache.k_pools + graph_cache.v_pools, eager_cache.k_pools + eager_cache.v_pools
     ):
-        torch.testing.assert_close(mine, theirs)
+        # Inductor fuses the projections and rotary embedding differently from eager, so a new
+        # k/v entry may differ by one bf16 rounding step; a token written to the wrong slot, or
+        # not written, would differ by O(1).
+        torch.testing.assert_close(mine, theirs, atol=2e-2, rtol=2e-2)
