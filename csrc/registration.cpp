@@ -34,6 +34,11 @@ TORCH_LIBRARY(astr, m) {
       "flash_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, int max_query_len, bool decode, bool is_causal, float scale) "
       "-> Tensor");
+  // Gradients of flash_dense, for packages whose Python functions are not torch ops
+  // (FlashAttention-4): flash_dense's autograd formula calls it.
+  m.def(
+      "flash_dense_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, bool is_causal, "
+      "float scale) -> (Tensor, Tensor, Tensor)");
 
   // The resolver's decision for a call, as JSON, without running it.
   m.def(

@@ -11,7 +11,9 @@ namespace {
 
 const c10::OperatorHandle& flash_op(const char* name) {
   const c10::OperatorHandle& op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-  ASTR_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd),
+  // FlashAttention-2/3 register a composite kernel, FlashAttention-4 a CUDA one.
+  ASTR_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+                 op.hasKernelForDispatchKey(c10::DispatchKey::CUDA),
              "flash backend: ", name,
              " has no implementation; astrai.extension registers it when it finds flash-attn");
   return op;

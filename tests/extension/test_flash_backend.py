@@ -1,7 +1,8 @@
 """The flash backend's wiring: the lazy probe, its report, the ops it registers, and the
-resolver's use of them. Without a real flash-attn package these tests install a TEST DOUBLE
-(tests/doubles/flash_attn_sdpa_double.py: FlashAttention-2's Python signatures, computed with
-SDPA) as ``flash_attn``; a real package on the device takes the same path."""
+resolver's use of them. These tests install TEST DOUBLES, computed with SDPA:
+tests/doubles/flash_attn_sdpa_double.py (FlashAttention-2's Python signatures) as ``flash_attn``
+and tests/doubles/flash_attn_cute_sdpa_double.py (FlashAttention-4's) as ``flash_attn.cute``.
+The real package runs the same paths on the device: tests/extension/test_flash_real_package.py."""
 
 import importlib
 import sys
@@ -12,7 +13,13 @@ import torch
 import astrai.extension as ae
 from astrai.extension import ops
 from astrai.extension.backend import flash as flash_module
-from tests.doubles import flash_attn_sdpa_double
+from tests.doubles import flash_attn_cute_sdpa_double, flash_attn_sdpa_double
+from tests.extension.test_numerics import (
+    RAGGED_STEPS,
+    PagedRun,
+    assert_matches,
+    paged_sequence_reference,
+)
 
 attention_module = importlib.import_module("astrai.extension.backend.attention")
 
@@ -29,6 +36,18 @@ def flash_double(monkeypatch):
     """flash-attn replaced by the SDPA test double for the duration of a test."""
     monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_sdpa_double)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # None: import fails
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    probe = reprobe()
+    yield probe
+    monkeypatch.undo()
+    reprobe()
+
+
+@pytest.fixture
+def flash4_double(monkeypatch):
+    """FlashAttention-4 (flash_attn.cute) replaced by its SDPA test double."""
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", flash_attn_cute_sdpa_double)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
     probe = reprobe()
     yield probe
     monkeypatch.undo()
@@ -208,3 +227,125 @@ def test_flash_two_fifty_six_rule_sends_small_pages_elsewhere(flash_double):
     decision = ae.explain(q, kv_cache=cache, fwd="prefill", is_causal=True)
     assert "multiple of 256" in " ".join(decision.rejected["flash"])
     assert decision.backend != "flash"
+
+
+# -- FlashAttention-4: its functions are not torch ops, so astr's flash ops are opaque kernels --
+
+
+def test_probe_finds_the_flash4_double_as_flash_attention_4(flash4_double):
+    assert flash4_double.available
+    assert flash4_double.version == 4
+    assert flash4_double.module == "flash_attn.cute"
+    assert "sdpa-test-double" in flash4_double.reason
+
+
+def test_probe_prefers_flash4_over_flash2_when_both_import(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_sdpa_double)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", flash_attn_cute_sdpa_double)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    try:
+        assert reprobe().version == 4
+    finally:
+        monkeypatch.undo()
+        reprobe()
+
+
+def flash4_dense_inputs(requires_grad=False):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 24, h, 32, generator=g) for h in (6, 2, 2))
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash4_dense_op_runs_the_package_and_differentiates(flash4_double, is_causal):
+    q, k, v = flash4_dense_inputs(requires_grad=True)
+    before = flash_attn_cute_sdpa_double.calls["dense"]
+    out = torch.ops.astr.flash_dense(q, k, v, is_causal, 0.3)
+    assert flash_attn_cute_sdpa_double.calls["dense"] == before + 1
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().requires_grad_(True) for t in (q, k, v))
+    expected = torch.ops.astr.attention(
+        q2, k2, v2, is_causal=is_causal, scale=0.3, backend="torch_native"
+    )
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash4_paged_steps_match_definition(flash4_double, page_size, is_causal):
+    """Any page size (FlashAttention-4 has no 256-token rule); prefill and decode steps."""
+    run = PagedRun(page_size, 8, 2, 32, torch.float32, seed=page_size, steps=RAGGED_STEPS)
+    calls = dict(flash_attn_cute_sdpa_double.calls)
+    for new_tokens in RAGGED_STEPS:
+        # flash never takes CPU tensors through the resolver: call the op the backend calls
+        step = run.cache.begin_step(list(new_tokens), list(new_tokens.values()))
+        tokens = sum(new_tokens.values())
+        q = torch.randn(tokens, 8, 32, generator=run.g)
+        k = torch.randn(tokens, 2, 32, generator=run.g)
+        v = torch.randn(tokens, 2, 32, generator=run.g)
+        run.cache.append(0, k, v)
+        k_pool, v_pool = run.cache.layer(0)
+        out = torch.ops.astr.flash_paged(
+            q,
+            k_pool,
+            v_pool,
+            step.block_table,
+            step.seq_lens,
+            step.query_start_loc,
+            step.max_query_len,
+            step.mode == "decode",
+            is_causal,
+            0.25,
+        )
+        start = 0
+        for seq, new in new_tokens.items():
+            rows = slice(start, start + new)
+            run.keys[seq] = torch.cat([run.keys.get(seq, k[:0]), k[rows]])
+            run.values[seq] = torch.cat([run.values.get(seq, v[:0]), v[rows]])
+            ref = paged_sequence_reference(q[rows], run.keys[seq], run.values[seq], 0.25, is_causal)
+            assert_matches(out[rows], ref)
+            start += new
+    assert flash_attn_cute_sdpa_double.calls["varlen"] == calls["varlen"] + len(RAGGED_STEPS)
+
+
+def test_flash4_ops_pass_opcheck(flash4_double):
+    q, k, v = flash4_dense_inputs(requires_grad=True)
+    torch.library.opcheck(torch.ops.astr.flash_dense.default, (q, k, v, True, 0.3))
+    cache, q, k, v = paged_case("cpu", torch.float32, page_size=16)
+    cache.append(0, k, v)
+    step = cache.step
+    k_pool, v_pool = cache.layer(0)
+    args = (q[0], k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc)
+    torch.library.opcheck(
+        torch.ops.astr.flash_paged.default, (*args, step.max_query_len, False, True, 0.125)
+    )
+
+
+def test_flash4_dense_stays_one_node_in_a_compiled_graph(flash4_double):
+    """The package's Python is not traced: the graph holds astr::flash_dense, forward and
+    backward (through flash_dense_backward) compile with fullgraph and match eager."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    recorder = AotEagerAndRecordGraphs()
+
+    @torch.compile(backend=recorder, fullgraph=True)
+    def step(q, k, v):
+        return torch.ops.astr.flash_dense(q, k, v, True, 0.3).square().sum()
+
+    q, k, v = flash4_dense_inputs(requires_grad=True)
+    step(q, k, v).backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    torch.ops.astr.flash_dense(q, k, v, True, 0.3).square().sum().backward()
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want)
+    forward_code = recorder.fw_graphs[0].code
+    backward_code = recorder.bw_graphs[0].code
+    assert "astr.flash_dense.default" in forward_code
+    assert "astr.flash_dense_backward.default" in backward_code

@@ -287,6 +287,7 @@ class PagedRun:
         steps,
         device="cpu",
         spare_pages=1,
+        backend="torch_native",
     ):
         final = {}
         for step in steps:
@@ -295,7 +296,7 @@ class PagedRun:
         num_pages = sum(math.ceil(n / page_size) for n in final.values()) + spare_pages
         self.cache = PagedKVCache(1, num_pages, page_size, kv_heads, head_dim, dtype, device)
         self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.backend = dtype, device, backend
         self.g = make_generator(seed)
         self.keys = {}
         self.values = {}
@@ -327,7 +328,7 @@ class PagedRun:
             attn_mask=None if mask is None else mask.to(self.device),
             is_causal=is_causal,
             fwd=step.mode,
-            backend="torch_native",
+            backend=self.backend,
             scale=scale,
         )
         out = out.reshape(tokens, self.q_heads, self.head_dim).cpu()

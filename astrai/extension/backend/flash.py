@@ -32,14 +32,27 @@ def _gpu_arch() -> int:
     return major * 10 + minor
 
 
-# (module, FlashAttention version), most capable first. FlashAttention-4 (flash_attn.cute)
-# is listed for the probe's report; its interface differs and is not wired (see _API).
+# (module, FlashAttention version, the functions astrai calls), most capable first. FlashAttention-4
+# (flash_attn.cute: CUTLASS DSL kernels for sm_90 and newer) has no flash_attn_with_kvcache; its
+# paged path is flash_attn_varlen_func(page_table=...).
 _CANDIDATES = (
-    ("flash_attn_interface", 3),
-    ("flash_attn", 2),
-    ("flash_attn.cute", 4),
+    ("flash_attn_interface", 3, ("flash_attn_func", "flash_attn_with_kvcache")),
+    ("flash_attn.cute", 4, ("flash_attn_func", "flash_attn_varlen_func")),
+    ("flash_attn", 2, ("flash_attn_func", "flash_attn_with_kvcache")),
 )
-_API = ("flash_attn_func", "flash_attn_with_kvcache")
+_MIN_ARCH = {3: 90, 4: 90, 2: 80}
+
+
+def _release(module) -> str:
+    release = getattr(module, "__version__", None)
+    if release and release != "0.0.0":
+        return release
+    try:  # flash_attn.cute reports 0.0.0 unless its distribution is named "fa4"
+        from importlib.metadata import version
+
+        return version("flash-attn-4")
+    except Exception:
+        return release or "?"
 
 
 @functools.cache
@@ -47,22 +60,30 @@ def probe_flash() -> FlashProbe:
     """Import flash-attn once, tell the C++ resolver what was found, and return it."""
     tried = []
     found = None
-    for name, version in _CANDIDATES:
+    for name, version, api in _CANDIDATES:
         try:
             module = importlib.import_module(name)
         except Exception as error:  # a broken install must not break astrai's import
             tried.append(f"{name}: {type(error).__name__}: {error}".splitlines()[0][:200])
             continue
-        missing = [api for api in _API if not hasattr(module, api)]
+        missing = [function for function in api if not hasattr(module, function)]
         if missing:
             tried.append(f"{name}: imported, but has no {', '.join(missing)}")
             continue
         arch = _gpu_arch()
-        if version == 3 and arch != 90:
-            tried.append(f"{name}: FlashAttention-3 needs sm_90 (GPU is sm_{arch})")
+        # FlashAttention-3 is built for sm_90 only; 2 and 4 import anywhere (no GPU: the
+        # resolver rejects every call for its device) but need a recent enough GPU.
+        if (version == 3 and arch != 90) or (arch and arch < _MIN_ARCH[version]):
+            tried.append(
+                f"{name}: FlashAttention-{version} needs sm_{_MIN_ARCH[version]}"
+                f"{'' if version == 3 else ' or newer'} (GPU is sm_{arch})"
+            )
             continue
-        flash_ops.register(module)
-        found = (name, version, getattr(module, "__version__", "?"))
+        if version == 4:
+            flash_ops.register_flash4(module)
+        else:
+            flash_ops.register(module)
+        found = (name, version, _release(module))
         break
     if found is None:
         reason = "flash-attn not importable (" + "; ".join(tried) + ")"
