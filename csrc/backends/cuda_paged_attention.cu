@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <optional>
 
 #include "../check.h"
@@ -15,6 +17,16 @@
 
 namespace astrai::backends {
 namespace {
+
+// Tuning hook for benchmarks/sweep_decode_splits.py: with ASTR_TUNE_DECODE set before the first
+// decode call, ASTR_DECODE_SPLITS (read on every call) forces the decode split count. Otherwise
+// one branch on a static.
+int decode_split_count_override() {
+  static const bool tuning = std::getenv("ASTR_TUNE_DECODE") != nullptr;
+  if (!tuning) return 0;
+  const char* value = std::getenv("ASTR_DECODE_SPLITS");
+  return value == nullptr ? 0 : std::max(0, std::min(std::atoi(value), 65535));
+}
 
 using kernels::ScalarType;
 
@@ -183,6 +195,7 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     params.num_splits =
         kernels::paged_decode_num_splits(base.num_seqs, base.num_q_heads, base.num_kv_heads,
                                          static_cast<int>(max_kv_len), base.head_dim, num_sms);
+    if (const int forced = decode_split_count_override(); forced > 0) params.num_splits = forced;
     // Size from shapes only (split count, T, Hq, D), never from seq_lens' values.
     const size_t workspace_floats = kernels::paged_decode_workspace_floats(
         params.num_splits, base.num_tokens, base.num_q_heads, base.head_dim);

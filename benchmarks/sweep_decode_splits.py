@@ -1,0 +1,92 @@
+"""Sweep the split-KV count of astrai's decode kernel (a tuning run, on the GPU).
+
+    ASTR_TUNE_DECODE=1 python3 benchmarks/sweep_decode_splits.py --out DIR
+
+For each shape, times the cuda backend's decode with every split count (forced through
+ASTR_DECODE_SPLITS, which the binding reads when ASTR_TUNE_DECODE is set) and with the built-in
+heuristic, with bench_attention.py's timer (L2 flushed, CUDA events, medians), and checks each
+output against torch_native. Writes decode_splits.json and decode_splits.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_attention as bench  # noqa: E402
+
+SHAPES = [(1, 32768), (1, 8192), (4, 8192), (16, 2048), (16, 4096), (16, 8192), (64, 4096)]
+SPLITS = [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]  # 0: the heuristic
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    if "ASTR_TUNE_DECODE" not in os.environ:
+        sys.exit("set ASTR_TUNE_DECODE=1 (the binding reads ASTR_DECODE_SPLITS only then)")
+    import astrai.extension  # noqa: F401  (loads the library)
+
+    torch.manual_seed(0)
+    timer = bench.Timer(warmup=3, repeats=30)
+    hq, hkv, d = 32, 8, 128
+    rows = []
+    for batch, length in SHAPES:
+        q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(batch * length, hkv, d, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        cache = bench.build_paged_cache(k, v, [length] * batch, 16)
+        cache["query_start_loc"] = bench.query_start_loc([1] * batch, "cuda")
+        kwargs = dict(cache, max_query_len=1, mode="decode")
+        expected = torch.ops.astr.attention(q, backend="torch_native", **kwargs).float()
+        nbytes = bench.decode_bytes(batch, length, hq, hkv, d)
+        for splits in SPLITS:
+            if splits and splits > -(-length // 64):
+                continue
+            os.environ["ASTR_DECODE_SPLITS"] = str(splits)
+            out = torch.ops.astr.attention(q, backend="cuda", **kwargs).float()
+            err = float((out - expected).norm() / expected.norm())
+            ms = timer.measure(
+                lambda q=q, kwargs=kwargs: torch.ops.astr.attention(q, backend="cuda", **kwargs)
+            )["ms"]
+            rows.append(
+                dict(
+                    B=batch,
+                    L=length,
+                    splits=splits or "heuristic",
+                    us=ms * 1e3,
+                    TBps=nbytes / (ms * 1e-3) / 1e12,
+                    rel_l2=err,
+                )
+            )
+            print(rows[-1], flush=True)
+        del cache, k, v
+        torch.cuda.empty_cache()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda)
+    (out_dir / "decode_splits.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    lines = [
+        "# Decode split-KV sweep (astrai cuda backend, bf16, Hq=32, Hkv=8, D=128, page 16)",
+        "",
+        f"`ASTR_TUNE_DECODE=1 python3 benchmarks/sweep_decode_splits.py`; {env}",
+        "",
+        "| B | L | splits | us | TB/s | rel L2 vs torch_native |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['B']} | {r['L']} | {r['splits']} | {r['us']:.1f} | {r['TBps']:.2f} "
+        f"| {r['rel_l2']:.1e} |"
+        for r in rows
+    ]
+    (out_dir / "decode_splits.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
