@@ -1,5 +1,6 @@
 // astr::attention and its companions: tensors -> CallDescription -> resolver -> backend.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -40,10 +41,22 @@ std::string environment_backend() {
   return value ? std::string(value) : std::string();
 }
 
-const Decision& decide(const CallDescription& call,
-                       const std::optional<c10::string_view>& backend) {
-  Selection selection = dispatch::select_backend(to_string(backend), OverrideStack::current().top(),
-                                                 environment_backend(), &warn);
+const Decision& decide(const CallDescription& call, const std::optional<c10::string_view>& backend,
+                       const std::optional<c10::string_view>& observed = std::nullopt) {
+  std::optional<std::string> context = OverrideStack::current().top();
+  std::string environment = environment_backend();
+  if (observed) {  // "context:NAME", "environment:NAME" or "": what the caller saw
+    const std::string text = to_string(observed);
+    const auto colon = text.find(':');
+    const std::string source = text.substr(0, colon == std::string::npos ? 0 : colon);
+    const std::string name = colon == std::string::npos ? std::string() : text.substr(colon + 1);
+    ASTR_CHECK_VALUE(text.empty() || source == "context" || source == "environment",
+                     "selection: expected \"context:NAME\", \"environment:NAME\" or \"\", got \"",
+                     text, "\"");
+    context = source == "context" ? std::optional<std::string>(name) : std::nullopt;
+    environment = source == "environment" ? name : std::string();
+  }
+  Selection selection = dispatch::select_backend(to_string(backend), context, environment, &warn);
   return dispatch::resolve_backend_cached(call, selection, BackendStatusTable::instance());
 }
 
@@ -74,22 +87,45 @@ void report_fallback(const Decision& decision, const CallDescription& call) {
              skipped);
 }
 
+// True while torch.compile traces: q is a fake or functional tensor.
+bool is_traced(const at::Tensor& q) {
+  const c10::DispatchKeySet keys = q.key_set();
+  return keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize);
+}
+
+// Records astr::check_trace_state in the graph being traced (see ops.h).
+void record_trace_state(const at::Tensor& q) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("astr::check_trace_state", "")
+                             .typed<void(const at::Tensor&, c10::string_view)>();
+  const std::string state = selected_backend();
+  op.call(q, c10::string_view(state.data(), state.size()));
+}
+
+std::string describe_state(const std::string& state) {
+  return state.empty() ? std::string("no context and no ASTR_BACKEND") : state;
+}
+
 }  // namespace
 
-at::Tensor attention(
-    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
-    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
+at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                     const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
+                     bool is_causal, std::optional<double> scale,
+                     const std::optional<at::Tensor>& k_cache,
+                     const std::optional<at::Tensor>& v_cache,
+                     const std::optional<at::Tensor>& block_table,
+                     const std::optional<at::Tensor>& seq_lens,
+                     const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+                     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+                     std::optional<c10::string_view> selection) {
   AttentionArgs args{
       q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
       v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
   const CallDescription call = validate_and_describe(args);
-  const Decision& decision = decide(call, backend);
+  const Decision& decision = decide(call, backend, selection);
   ASTR_CHECK(decision.chosen.has_value(), decision.error);
   report_fallback(decision, call);
+  if (!backend && !selection && is_traced(q)) record_trace_state(q);
   switch (*decision.chosen) {
     case Backend::kCuda:
       return cuda_paged(args);
@@ -155,6 +191,20 @@ std::string selected_backend() {
     return "environment:" + selection.name;
   }
   return "";
+}
+
+void check_trace_state(const at::Tensor& q, c10::string_view state) {
+  if (is_traced(q) || q.is_meta()) return;  // tracing: the state is the one being recorded
+  const std::string now = selected_backend();
+  if (now.size() == state.size() && now.compare(0, now.size(), state.data(), state.size()) == 0) {
+    return;
+  }
+  ASTR_CHECK(false, "astr.attention: this compiled graph chose its attention backend under ",
+             describe_state(std::string(state.data(), state.size())), ", but now runs under ",
+             describe_state(now),
+             ". torch.compile does not guard direct torch.ops.astr.attention calls on the "
+             "backend context or ASTR_BACKEND: call astrai.extension.attention (it recompiles), "
+             "pass backend=..., or torch._dynamo.reset() to retrace.");
 }
 
 void set_backend_status(c10::string_view backend, bool available, c10::string_view reason,

@@ -23,7 +23,17 @@ at::Tensor attention(
     const std::optional<at::Tensor>& seq_lens,         // int32 [B]
     const std::optional<at::Tensor>& query_start_loc,  // int32 [B+1]
     int64_t max_query_len, std::optional<c10::string_view> mode,
-    std::optional<c10::string_view> backend);
+    std::optional<c10::string_view> backend,
+    // The caller's observation of the thread's context and ASTR_BACKEND, in selected_backend()'s
+    // form, used instead of reading them: the Python API passes it while torch.compile traces, so
+    // the graph (and every cache keyed on it) records what the choice depended on.
+    std::optional<c10::string_view> selection);
+
+// Inserted by `attention` into graphs that torch.compile traces when the choice was implicit:
+// at run time, raises if the thread's context or ASTR_BACKEND (`selected_backend`) differs from
+// `state`, the value the graph was traced under. Direct torch.ops.astr.attention calls are not
+// guarded by torch.compile (the Python API's are: it recompiles), so a stale graph must not run.
+void check_trace_state(const at::Tensor& q, c10::string_view state);
 
 // Same arguments as `attention`; returns the decision as JSON text instead of running it.
 std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,

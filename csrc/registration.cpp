@@ -11,7 +11,7 @@ TORCH_LIBRARY(astr, m) {
       "attention(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
       "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
       "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
-      "int max_query_len=0, str? mode=None, str? backend=None) -> Tensor");
+      "int max_query_len=0, str? mode=None, str? backend=None, str? selection=None) -> Tensor");
   m.impl("attention", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::attention));
 
   // Writes new tokens' k/v into the paged pools through the slot mapping (mutates both pools).
@@ -39,6 +39,13 @@ TORCH_LIBRARY(astr, m) {
   m.def(
       "flash_dense_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, bool is_causal, "
       "float scale) -> (Tensor, Tensor, Tensor)");
+
+  // Recorded in compiled graphs by attention (implicit choices): raises at run time if the
+  // context or ASTR_BACKEND differs from the one the graph was traced under. Side-effectful
+  // (astrai/extension/ops.py tells torch.fx so), never decomposed.
+  m.def("check_trace_state(Tensor q, str state) -> ()");
+  m.impl("check_trace_state", c10::DispatchKey::CompositeExplicitAutograd,
+         TORCH_FN(astr::check_trace_state));
 
   // The resolver's decision for a call, as JSON, without running it.
   m.def(

@@ -62,6 +62,12 @@ def _append_kv_fake(k, v, k_cache, v_cache, slot_mapping):
     return None
 
 
+# astr::check_trace_state returns nothing and exists for its check: dead-code elimination in
+# torch.fx (dynamo, AOTAutograd, inductor) must keep it. Its C++ kernel is a no-op on fake and
+# meta tensors, so it needs no fake kernel.
+torch.fx.node.has_side_effect(torch.ops.astr.check_trace_state.default)
+
+
 def append_kv(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, Dv]

@@ -434,9 +434,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
 }
 
 // out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse). One thread per 4 dims.
-// Splits are read kMergeChunk at a time with every load of a chunk issued before any is used:
-// a loop that waits for each split's load in turn costs one L2 round trip per split (16 us for
-// 32 splits on H200, more than the attention kernel's own tail).
+// Splits are read kMergeChunk at a time with every load of a chunk issued before any is used,
+// instead of one dependent load per split. Measured on H200 (ncu, cold caches, B=1 L=32768,
+// 32 splits): 16.3 us before, 14.8-15.1 us after; in the L2-warm benchmark no change beyond noise.
+// With one sequence the grid is only Hq * D / 4 threads (4 blocks), which is what bounds it.
 constexpr int kMergeChunk = 8;
 
 template <typename T, int D>

@@ -335,6 +335,97 @@ def test_environment_change_recompiles(monkeypatch):
     assert counter.frame_count == 4
 
 
+def attention_selections(recorder):
+    """The ``selection`` argument of every astr.attention node the compiler recorded."""
+    return [
+        node.kwargs.get("selection")
+        for graph in recorder.graphs
+        for node in graph.graph.nodes
+        if "astr.attention" in str(node.target)
+    ]
+
+
+def test_python_api_graphs_record_the_selection_they_were_traced_under(monkeypatch):
+    """The Python API passes the context / ASTR_BACKEND it observed into the op, so graphs
+    traced under different choices differ, and a compile cache keyed on the graph (AOTAutograd's
+    keys on dynamo's) cannot hand one choice's graph to another."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    monkeypatch.delenv("ASTR_BACKEND", raising=False)
+    q, k, v = dense_qkv()
+    recorder = EagerAndRecordGraphs()
+    run = torch.compile(
+        lambda q, k, v: attention(q, k, v, is_causal=True), backend=recorder, fullgraph=True
+    )
+    with attn_backend("torch_native"):
+        run(q, k, v)
+    run(q, k, v)
+    monkeypatch.setenv("ASTR_BACKEND", "torch_native")
+    run(q, k, v)
+    assert attention_selections(recorder) == [
+        "context:torch_native",
+        "",
+        "environment:torch_native",
+    ]
+
+
+def compiled_direct_call():
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def run(q, k, v):
+        return torch.ops.astr.attention(q, k, v, is_causal=True)
+
+    return run, counter
+
+
+def test_direct_op_call_compiled_in_a_context_raises_when_run_outside_it():
+    """torch.compile does not guard a direct torch.ops.astr.attention call on the context, so
+    the traced graph checks it at run time and refuses to run under another choice."""
+    q, k, v = dense_qkv()
+    reference = torch.ops.astr.attention(q, k, v, is_causal=True, backend="torch_native")
+    run, counter = compiled_direct_call()
+    with attn_backend("torch_native"):
+        torch.testing.assert_close(run(q, k, v), reference)
+        torch.testing.assert_close(run(q, k, v), reference)  # unchanged: runs, no retrace
+    with pytest.raises(
+        RuntimeError, match="chose its attention backend under context:torch_native"
+    ):
+        run(q, k, v)
+    with attn_backend("torch_native"):
+        torch.testing.assert_close(run(q, k, v), reference)
+    assert counter.frame_count == 1
+
+
+def test_direct_op_call_compiled_under_an_environment_raises_after_it_changed(monkeypatch):
+    q, k, v = dense_qkv()
+    monkeypatch.setenv("ASTR_BACKEND", "torch_native")
+    run, _ = compiled_direct_call()
+    run(q, k, v)
+    monkeypatch.setenv("ASTR_BACKEND", "cuda")
+    with pytest.raises(
+        RuntimeError, match="under environment:torch_native, but now runs under environment:cuda"
+    ):
+        run(q, k, v)
+
+
+def test_direct_op_call_with_a_backend_argument_is_not_checked():
+    """A per-call backend does not depend on the context: no check in the graph."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    q, k, v = dense_qkv()
+    recorder = AotEagerAndRecordGraphs()
+
+    @torch.compile(backend=recorder, fullgraph=True)
+    def run(q, k, v):
+        return torch.ops.astr.attention(q, k, v, is_causal=True, backend="torch_native")
+
+    with attn_backend("torch_native"):
+        run(q, k, v)
+    run(q, k, v)
+    assert "check_trace_state" not in recorder.fw_graphs[0].code
+
+
 def test_per_call_backend_argument_works_in_compiled_code():
     q, k, v = dense_qkv()
     reference = torch.ops.astr.attention(q, k, v, is_causal=True, backend="torch_native")

@@ -148,16 +148,24 @@ _ENV_CHOICES = tuple(
 )
 
 
-def _observe_environment() -> None:
-    """Under torch.compile, guard on ASTR_BACKEND: the C++ resolver reads it at trace time, so
-    a compiled graph must be retraced when it changes. (The context stack is guarded by
-    ``_python_backend``, which reads its top.)"""
-    if _ENVIRONMENT is None or not torch.compiler.is_compiling():
-        return
+def _observed_selection() -> Optional[str]:
+    """While torch.compile traces: the thread's context and ASTR_BACKEND in the form of
+    ``torch.ops.astr.selected_backend()`` ("context:NAME", "environment:NAME" or ""), read in
+    Python so that the compiler guards on them, and passed to the op so that the graph records
+    them (a cached graph traced under another selection is then never reused). None in eager
+    code, where the C++ resolver reads them itself."""
+    if not torch.compiler.is_compiling():
+        return None
+    if CONTEXT.backends:  # a Python backend on top never reaches here (see attention)
+        return f"context:{CONTEXT.backends[-1].name}"
+    if _ENVIRONMENT is None:
+        return ""
     value = _ENVIRONMENT.get(_ENV_KEY)
     for choice in _ENV_CHOICES:  # comparing makes the compiler guard on the value
         if value == choice:
-            break
+            name = choice.decode() if isinstance(choice, bytes) else choice
+            return f"environment:{name}"
+    return ""
 
 
 def attention(
@@ -193,9 +201,10 @@ def attention(
             fwd=fwd,
         )
     name = _builtin_name(backend)
-    if name is None:
-        _observe_environment()
-    return run_builtin(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, name, scale)
+    selection = _observed_selection() if name is None else None
+    return run_builtin(
+        q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, name, scale, selection
+    )
 
 
 @dataclass

@@ -36,12 +36,14 @@ def run_builtin(
     fwd,
     backend: Optional[str],
     scale: Optional[float] = None,
+    selection: Optional[str] = None,
 ):
     """Run a call through the C++ resolver; ``backend`` None lets it choose (context stack,
-    ASTR_BACKEND, default priority)."""
+    ASTR_BACKEND, default priority; or ``selection``, what the caller observed of the first
+    two: see astr::attention's contract in csrc/README.md)."""
     if kv_cache is None:
         return torch.ops.astr.attention(
-            q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=backend
+            q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=backend, selection=selection
         )
     k_pool, v_pool = kv_cache.layer(layer_id)
     if k is not None:
@@ -54,6 +56,7 @@ def run_builtin(
         k_cache=k_pool,
         v_cache=v_pool,
         backend=backend,
+        selection=selection,
         **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
     )
     return out.view(*q.shape[:-1], out.shape[-1])
