@@ -203,8 +203,11 @@ void check_trace_state(const at::Tensor& q, c10::string_view state) {
              describe_state(std::string(state.data(), state.size())), ", but now runs under ",
              describe_state(now),
              ". torch.compile does not guard direct torch.ops.astr.attention calls on the "
-             "backend context or ASTR_BACKEND: call astrai.extension.attention (it recompiles), "
-             "pass backend=..., or torch._dynamo.reset() to retrace.");
+             "backend context or ASTR_BACKEND: call astrai.extension.attention (it recompiles) "
+             "or pass backend=.... Retracing (torch._dynamo.reset()) helps only if the graph was "
+             "traced in this process: AOTAutograd's on-disk cache keys graphs on their ops, not "
+             "on this choice (torch._functorch.config.enable_autograd_cache = False turns it "
+             "off).");
 }
 
 void set_backend_status(c10::string_view backend, bool available, c10::string_view reason,
