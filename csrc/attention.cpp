@@ -43,9 +43,12 @@ std::string environment_backend() {
 
 const Decision& decide(const CallDescription& call, const std::optional<c10::string_view>& backend,
                        const std::optional<c10::string_view>& observed = std::nullopt) {
-  std::optional<std::string> context = OverrideStack::current().top();
-  std::string environment = environment_backend();
-  if (observed) {  // "context:NAME", "environment:NAME" or "": what the caller saw
+  std::optional<std::string> context;
+  std::string environment;
+  if (!observed) {
+    context = OverrideStack::current().top();
+    environment = environment_backend();
+  } else {  // "context:NAME", "environment:NAME" or "": what the caller saw
     const std::string text = to_string(observed);
     const auto colon = text.find(':');
     const std::string source = text.substr(0, colon == std::string::npos ? 0 : colon);

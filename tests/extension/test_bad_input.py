@@ -466,3 +466,9 @@ def test_step_metadata_copy_needs_the_same_shapes():
     other = cache.begin_step([0], [1])
     with pytest.raises(ValueError, match="block_table: shape"):
         captured.copy_(other)
+
+
+def test_a_malformed_selection_names_the_argument():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match='selection: expected "context:NAME"'):
+        torch.ops.astr.attention(q, q, q, selection="cuda")
