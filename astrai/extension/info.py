@@ -15,7 +15,7 @@ from .backend.flash import probe_flash
 CAPABILITIES = [
     ("", "cuda", "flash", "torch_native"),
     ("calls", "paged prefill, decode", "dense, training, paged", "all"),
-    ("devices", "CUDA sm_80+", "CUDA sm_80+ (FA3: sm_90)", "any SDPA device"),
+    ("devices", "CUDA sm_80+", "CUDA sm_80+ (FA3: sm_90, FA4: sm_90+)", "any SDPA device"),
     ("dtypes", "fp16, bf16", "fp16, bf16", "fp16, bf16, fp32, fp64"),
     ("head dims", "64, 128, 256", "multiples of 8 up to 256", "any"),
     ("page sizes", "1, 2, 4, ..., 256", "FA2: multiples of 256; FA3/4: any", "any"),
