@@ -107,7 +107,11 @@ def _new_library() -> torch.library.Library:
 
 def register_flash4(module: ModuleType) -> None:
     """Point astr::flash_dense / astr::flash_paged at FlashAttention-4's flash_attn_func and
-    flash_attn_varlen_func (``page_table=`` for the paged cache, ``seqused_k`` for lengths)."""
+    flash_attn_varlen_func (``page_table=`` for the paged cache, ``seqused_k`` for lengths).
+
+    FlashAttention-4 reads whole pages when a page holds whole key tiles, and a NaN in an unused
+    row of a sequence's last page would reach the output (0 * NaN): PagedKVCache's pools start
+    zeroed and only ever hold written tokens, so they never hold one."""
     dense_fn = module.flash_attn_func
     varlen_fn = module.flash_attn_varlen_func
 
