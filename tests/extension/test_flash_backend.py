@@ -31,37 +31,30 @@ def reprobe():
     return flash_module.probe_flash()
 
 
-@pytest.fixture
-def flash_double(monkeypatch):
-    """flash-attn replaced by the SDPA test double for the duration of a test."""
-    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_sdpa_double)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # None: import fails
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
-    probe = reprobe()
-    yield probe
+def probed_with(monkeypatch, **modules):
+    """Probe with these modules in sys.modules (None: importing it fails) for one test."""
+    for name in ("flash_attn", "flash_attn_interface", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, modules.get(name.replace(".", "_")))
+    yield reprobe()
     monkeypatch.undo()
     reprobe()
+
+
+@pytest.fixture
+def flash_double(monkeypatch):
+    """flash-attn (FlashAttention-2) replaced by the SDPA test double, the others absent."""
+    yield from probed_with(monkeypatch, flash_attn=flash_attn_sdpa_double)
 
 
 @pytest.fixture
 def flash4_double(monkeypatch):
-    """FlashAttention-4 (flash_attn.cute) replaced by its SDPA test double."""
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", flash_attn_cute_sdpa_double)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
-    probe = reprobe()
-    yield probe
-    monkeypatch.undo()
-    reprobe()
+    """FlashAttention-4 (flash_attn.cute) replaced by its SDPA test double, the others absent."""
+    yield from probed_with(monkeypatch, flash_attn_cute=flash_attn_cute_sdpa_double)
 
 
 @pytest.fixture
 def no_flash(monkeypatch):
-    for name in ("flash_attn", "flash_attn_interface", "flash_attn.cute"):
-        monkeypatch.setitem(sys.modules, name, None)
-    probe = reprobe()
-    yield probe
-    monkeypatch.undo()
-    reprobe()
+    yield from probed_with(monkeypatch)
 
 
 def test_missing_package_is_an_unavailable_reason_not_an_import_error(no_flash):
@@ -240,14 +233,13 @@ def test_probe_finds_the_flash4_double_as_flash_attention_4(flash4_double):
 
 
 def test_probe_prefers_flash4_over_flash2_when_both_import(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn_sdpa_double)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", flash_attn_cute_sdpa_double)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    probes = probed_with(
+        monkeypatch, flash_attn=flash_attn_sdpa_double, flash_attn_cute=flash_attn_cute_sdpa_double
+    )
     try:
-        assert reprobe().version == 4
+        assert next(probes).version == 4
     finally:
-        monkeypatch.undo()
-        reprobe()
+        next(probes, None)  # restores sys.modules and the probe
 
 
 def flash4_dense_inputs(requires_grad=False):
