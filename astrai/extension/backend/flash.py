@@ -40,7 +40,16 @@ _CANDIDATES = (
     ("flash_attn.cute", 4, ("flash_attn_func", "flash_attn_varlen_func")),
     ("flash_attn", 2, ("flash_attn_func", "flash_attn_with_kvcache")),
 )
-_MIN_ARCH = {3: 90, 4: 90, 2: 80}
+
+
+def _needs_another_gpu(version: int, arch: int) -> str:
+    """Why this GPU should use another installed package ("" if it need not). Only what picks
+    between packages: the resolver checks every call's arch (FlashAttention-2's sm_80 too)."""
+    if version == 3 and arch != 90:
+        return f"FlashAttention-3 needs sm_90 (GPU is sm_{arch})"
+    if version == 4 and arch and arch < 90:
+        return f"FlashAttention-4 needs sm_90 or newer (GPU is sm_{arch})"
+    return ""
 
 
 def _release(module) -> str:
@@ -70,14 +79,9 @@ def probe_flash() -> FlashProbe:
         if missing:
             tried.append(f"{name}: imported, but has no {', '.join(missing)}")
             continue
-        arch = _gpu_arch()
-        # FlashAttention-3 is built for sm_90 only; 2 and 4 import anywhere (no GPU: the
-        # resolver rejects every call for its device) but need a recent enough GPU.
-        if (version == 3 and arch != 90) or (arch and arch < _MIN_ARCH[version]):
-            tried.append(
-                f"{name}: FlashAttention-{version} needs sm_{_MIN_ARCH[version]}"
-                f"{'' if version == 3 else ' or newer'} (GPU is sm_{arch})"
-            )
+        unsuitable = _needs_another_gpu(version, _gpu_arch())
+        if unsuitable:
+            tried.append(f"{name}: {unsuitable}")
             continue
         if version == 4:
             flash_ops.register_flash4(module)
