@@ -74,6 +74,20 @@ __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Programmatic dependent launch (sm_90; no-ops elsewhere and when the launch did not ask for it).
+// The primary grid allows its dependent to be scheduled; the dependent waits until the primary has
+// completed and its memory is visible.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // 2^x on the SFU (ex2.approx: 2 ulp, exp2(-inf) = +0).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

@@ -63,6 +63,19 @@ LaunchStatus check_common(const PagedAttentionParams& p) {
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return {"num_q_heads must be a positive multiple of num_kv_heads"};
   if (p.log2_page_size < 0 || p.log2_page_size > 30) return {"page size must be a power of two"};
+  // The kernels form cache addresses as page * page stride + slot * slot stride in 32-bit byte
+  // multiplies (the head offset is 64-bit): a page, and the slots of one page, must span < 2 GiB.
+  constexpr int64_t kMaxBytes = INT32_MAX;
+  const int64_t page_size = int64_t{1} << p.log2_page_size;
+  const int64_t element = 2;
+  for (int64_t stride : {p.k_stride_page, p.v_stride_page})
+    if (stride < 0 || stride * element > kMaxBytes)
+      return {"k_cache/v_cache page stride must be under 2 GiB (got " + std::to_string(stride) +
+              " elements)"};
+  for (int64_t stride : {p.k_stride_slot, p.v_stride_slot})
+    if (stride < 0 || stride * element * page_size > kMaxBytes)
+      return {"k_cache/v_cache slots of one page must span under 2 GiB (slot stride " +
+              std::to_string(stride) + " elements, page size " + std::to_string(page_size) + ")"};
   return {};
 }
 

@@ -1,4 +1,4 @@
-// Paged attention kernel template (decode and prefill) and the split-KV merge kernel.
+// Paged attention kernel template (decode and prefill) and its launcher.
 // Included only by the per-head-dim instantiation files; see paged_attention_traits.h for the
 // design.
 #pragma once
@@ -13,6 +13,8 @@
 #include "paged_attention_instantiations.h"
 #include "paged_attention_params.h"
 #include "paged_attention_traits.h"
+#include "paged_decode_merge.cuh"
+#include "paged_kv_tile_loader.cuh"
 
 namespace astrai::kernels {
 
@@ -37,6 +39,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* v_smem = k_smem + Traits::kKVSmemElements;
 
   const int tid = threadIdx.x;
+  // Split decode: let the merge kernel (launched as a programmatic dependent, see below) be
+  // scheduled now; it waits for this grid's results before reading them.
+  if (kDecode && args.num_splits > 1) allow_dependent_launch();
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int seq = blockIdx.x / p.num_kv_heads;
@@ -95,49 +100,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
       cp_async_16(shared_address(q_smem + tile_offset<D>(r, ch)), src, valid);
     }
   };
-  const T* k_base = static_cast<const T*>(p.k_cache);
-  const T* v_base = static_cast<const T*>(p.v_cache);
-  const int32_t* block_table = p.block_table + seq * p.block_table_stride;
-  const int page_mask = (1 << p.log2_page_size) - 1;
-  // Each thread copies the same 16-byte column `ch` of kCopiesPerThread rows of every tile.
-  constexpr int kCopiesPerThread = kTileN * kChunks / kThreads;
-  static_assert(kThreads % kChunks == 0, "a thread's rows must keep one column");
-  // Decode looks page ids up one tile ahead (into registers, consumed by the next load_kv), so the
-  // block-table read latency hides behind a tile's compute: at page size 1 every row has its own
-  // lookup. Prefill (compute-bound, no registers to spare) looks up just before the copy.
-  auto lookup_pages = [&](int tile, int (&pages)[kCopiesPerThread]) {
-    const int pos0 = kv_begin + tile * kTileN;
-#pragma unroll
-    for (int i = 0; i < kCopiesPerThread; ++i) {
-      const int pos = pos0 + (tid + i * kThreads) / kChunks;
-      pages[i] = pos < kv_end ? block_table[pos >> p.log2_page_size] : 0;
-    }
-  };
-  auto load_kv = [&](int tile, int stage, const int (&pages)[kCopiesPerThread]) {
-    const int pos0 = kv_begin + tile * kTileN;
-    T* k_dst = k_smem + stage * kTileN * Traits::kRowStride;
-    T* v_dst = v_smem + stage * kTileN * Traits::kRowStride;
-#pragma unroll
-    for (int i = 0; i < kCopiesPerThread; ++i) {
-      const int c = tid + i * kThreads;
-      const int r = c / kChunks, ch = c % kChunks;
-      const int pos = pos0 + r;
-      const bool valid = pos < kv_end;
-      const T* k_src = k_base;
-      const T* v_src = v_base;
-      if (valid) {
-        const int64_t page = pages[i];
-        const int64_t slot = pos & page_mask;
-        k_src = k_base + page * p.k_stride_page + slot * p.k_stride_slot +
-                kv_head * p.k_stride_head + ch * 8;
-        v_src = v_base + page * p.v_stride_page + slot * p.v_stride_slot +
-                kv_head * p.v_stride_head + ch * 8;
-      }
-      const int offset = tile_offset<D>(r, ch);
-      cp_async_16(shared_address(k_dst + offset), k_src, valid);
-      cp_async_16(shared_address(v_dst + offset), v_src, valid);
-    }
-  };
+  // K/V tiles (see paged_kv_tile_loader.cuh).
+  KVTileSource source;
+  source.k_head =
+      static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(T);
+  source.v_head =
+      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(T);
+  source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(T));
+  source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(T));
+  source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(T));
+  source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(T));
+  source.block_table = p.block_table + seq * p.block_table_stride;
+  source.log2_page_size = p.log2_page_size;
+  source.kv_begin = kv_begin;
+  source.kv_end = kv_end;
+  KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
 
   // ---- per-warp state ----------------------------------------------------------------------
   // Rows of this warp: decode, the block's 16 rows (warps split kv); prefill, kMRep x 16 rows.
@@ -147,7 +124,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int lane_col = (lane % 4) * 2;                    // fragment column pair
 
   float o_acc[kMRep][D / 8][4];
-  float row_max[kMRep][2];  // running max of scaled scores (log2 domain)
+  float row_max[kMRep][2];  // running max of the scores (unscaled when the scale is folded)
   float row_sum[kMRep][2];  // running sum of exp2, this lane's columns only
 #pragma unroll
   for (int mi = 0; mi < kMRep; ++mi) {
@@ -167,31 +144,36 @@ __global__ void __launch_bounds__(Traits::kThreads)
   };
 
   // ---- pipeline prologue ---------------------------------------------------------------------
-  load_q();
-  int pages[kCopiesPerThread];
+  // Decode looks page ids up one tile ahead (into registers, consumed by the next issue), so the
+  // block-table read latency hides behind a tile's compute: at page size 1 every row has its own
+  // lookup. Prefill (compute-bound, no registers to spare) looks up just before the copy.
+  load_q();  // committed with the first K/V step
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) {
-      lookup_pages(s, pages);
-      load_kv(s, s, pages);
+      loader.lookup(s);
+      loader.issue(s, s);
     }
-    cp_async_commit();  // one group per stage, empty or not, keeps the wait counts uniform
+    loader.commit();  // one step per stage, empty or not, keeps the wait counts uniform
   }
-  if constexpr (kDecode) lookup_pages(kStages - 1, pages);
+  if constexpr (kDecode) loader.lookup(kStages - 1);
 
   const float scale_log2 = args.scale_log2;
+  // Scores enter the exponent as exp2(s * exp_scale - max * exp_scale): with a positive scale,
+  // s and row_max stay unscaled and one FFMA per score replaces a multiply and a subtract.
+  const bool fold_scale = scale_log2 > 0.f;
+  const float exp_scale = fold_scale ? scale_log2 : 1.f;
   const bool* mask = p.attn_mask;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
     if (next < num_tiles) {
-      if constexpr (!kDecode) lookup_pages(next, pages);
-      load_kv(next, next % kStages, pages);
+      if constexpr (!kDecode) loader.lookup(next);
+      loader.issue(next, next % kStages);
     }
-    cp_async_commit();
-    if constexpr (kDecode) lookup_pages(next + 1, pages);
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
+    loader.commit();
+    if constexpr (kDecode) loader.lookup(next + 1);
+    loader.wait(tile);
 
     if constexpr (Traits::kQInRegisters) {
       if (tile == 0) {
@@ -242,13 +224,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
 
-    // Scale first (log2 domain), then mask: correct for any finite scale, -inf stays -inf.
+    // A positive scale is folded into the exponent below (max(c s) = c max(s) for c > 0); any
+    // other scale is applied first. Then mask: -inf stays -inf either way.
+    if (!fold_scale) {
 #pragma unroll
-    for (int mi = 0; mi < kMRep; ++mi)
+      for (int mi = 0; mi < kMRep; ++mi)
 #pragma unroll
-      for (int nt = 0; nt < kWarpTileN / 8; ++nt)
+        for (int nt = 0; nt < kWarpTileN / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] *= scale_log2;
+          for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] *= scale_log2;
+    }
 
     // Masks: only tiles that cross kv_end, the causal edge of this block, or a user mask.
     const bool needs_mask = mask != nullptr || pos0 + kTileN > kv_end ||
@@ -278,7 +263,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
 
-    // Online softmax (FlashAttention-2): rescale O and the sum only when the max moves.
+    // Online softmax (FlashAttention-2). O is rescaled only when some row of the warp has a new
+    // max: otherwise every alpha is exp2(0) = 1 exactly, and skipping the multiply changes nothing.
+    float alpha[kMRep][2];
 #pragma unroll
     for (int mi = 0; mi < kMRep; ++mi) {
 #pragma unroll
@@ -291,26 +278,32 @@ __global__ void __launch_bounds__(Traits::kThreads)
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
         const float new_max = fmaxf(row_max[mi][half], tile_max);
         // A row with no visible key yet keeps max -inf; subtract 0 then (exp2(-inf) = 0, no NaN).
-        const float base = new_max == kNegInf ? 0.f : new_max;
-        const float alpha = fast_exp2(row_max[mi][half] - base);
+        const float base = (new_max == kNegInf ? 0.f : new_max) * exp_scale;
+        alpha[mi][half] = fast_exp2(row_max[mi][half] * exp_scale - base);
         row_max[mi][half] = new_max;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kWarpTileN / 8; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float prob = fast_exp2(s_acc[mi][nt][half * 2 + e] - base);
+            const float prob = fast_exp2(fmaf(s_acc[mi][nt][half * 2 + e], exp_scale, -base));
             s_acc[mi][nt][half * 2 + e] = prob;
             sum += prob;
           }
         }
-        row_sum[mi][half] = row_sum[mi][half] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          o_acc[mi][dt][half * 2] *= alpha;
-          o_acc[mi][dt][half * 2 + 1] *= alpha;
-        }
+        row_sum[mi][half] = row_sum[mi][half] * alpha[mi][half] + sum;
       }
+    }
+    bool rescale = false;
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi) rescale |= alpha[mi][0] != 1.f || alpha[mi][1] != 1.f;
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o_acc[mi][dt][e] *= alpha[mi][e / 2];
     }
 
     // O += P V: the S accumulators of two adjacent n8 tiles are the A fragment of one k16 step.
@@ -340,6 +333,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
     __syncthreads();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();
+  // From here on row_max is in the log2 domain (the merges and the LSE use it).
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi) {
+    row_max[mi][0] *= exp_scale;
+    row_max[mi][1] *= exp_scale;
+  }
 
   // Full row sums: the 4 lanes of a quad hold disjoint columns of the same row.
 #pragma unroll
@@ -433,66 +432,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
 }
 
-// out[t, h] = sum_s w_s o_s / sum_s w_s with w_s = exp2(lse_s - max lse). One thread per 4 dims.
-// Splits are read kMergeChunk at a time with every load of a chunk issued before any is used,
-// instead of one dependent load per split. Measured on H200 (ncu, cold caches, B=1 L=32768,
-// 32 splits): 16.3 us before, 14.8-15.1 us after; in the L2-warm benchmark no change beyond noise.
-// With one sequence the grid is only Hq * D / 4 threads (4 blocks), which is what bounds it.
-constexpr int kMergeChunk = 8;
-
-template <typename T, int D>
-__global__ void paged_decode_merge_kernel(const __grid_constant__ PagedKernelArgs args) {
-  const PagedAttentionParams& p = args.base;
-  const int64_t rows = (int64_t)p.num_tokens * p.num_q_heads;
-  const int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (item >= rows * (D / 4)) return;
-  const int64_t row = item / (D / 4);
-  const int c = (item % (D / 4)) * 4;
-  const int token = row / p.num_q_heads;
-  const int head = row % p.num_q_heads;
-  const int num_splits = args.num_splits;
-  const float* lse = args.partial_lse + row;              // split s at lse[s * rows]
-  const float* partial = args.partial_out + row * D + c;  // split s at partial[s * rows * D]
-
-  float m = -INFINITY;
-  for (int s0 = 0; s0 < num_splits; s0 += kMergeChunk) {
-    float chunk[kMergeChunk];
-#pragma unroll
-    for (int i = 0; i < kMergeChunk; ++i)
-      chunk[i] = s0 + i < num_splits ? lse[(int64_t)(s0 + i) * rows] : -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kMergeChunk; ++i) m = fmaxf(m, chunk[i]);
-  }
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float l = 0.f;
-  if (m != -INFINITY) {
-    for (int s0 = 0; s0 < num_splits; s0 += kMergeChunk) {
-      float weight[kMergeChunk];
-      float4 o[kMergeChunk];
-#pragma unroll
-      for (int i = 0; i < kMergeChunk; ++i) {
-        const bool valid = s0 + i < num_splits;
-        weight[i] = valid ? lse[(int64_t)(s0 + i) * rows] : -INFINITY;
-        o[i] = valid ? *reinterpret_cast<const float4*>(partial + (int64_t)(s0 + i) * rows * D)
-                     : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int i = 0; i < kMergeChunk; ++i) {
-        const float w = exp2f(weight[i] - m);  // an empty split (lse -inf) weighs 0
-        l += w;
-        acc.x += o[i].x * w;
-        acc.y += o[i].y * w;
-        acc.z += o[i].z * w;
-        acc.w += o[i].w * w;
-      }
-    }
-  }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  T* dst = static_cast<T*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + c;
-  uint2 packed;
-  packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
-  packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
-  *reinterpret_cast<uint2*>(dst) = packed;
+// Programmatic dependent launch needs sm_90 (the current device's compute capability >= 9).
+inline bool device_has_programmatic_launch() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    return false;
+  return major >= 9;
 }
 
 inline LaunchStatus status_after_launch(const char* what) {
@@ -519,10 +465,25 @@ LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cud
   LaunchStatus status =
       status_after_launch(kDecode ? "paged_decode_kernel" : "paged_prefill_kernel");
   if (!status.ok() || !kDecode || args.num_splits == 1) return status;
-  const int64_t items = (int64_t)args.base.num_tokens * args.base.num_q_heads * (D / 4);
-  const int threads = 256;
-  paged_decode_merge_kernel<T, D>
-      <<<static_cast<unsigned>((items + threads - 1) / threads), threads, 0, stream>>>(args);
+  const int64_t rows = (int64_t)args.base.num_tokens * args.base.num_q_heads;
+  // On sm_90 the merge is a programmatic dependent launch: its blocks are scheduled while the
+  // attention kernel's last blocks run and wait in griddepcontrol.wait, which removes the launch
+  // gap between the two kernels (also inside a captured CUDA graph). Elsewhere a plain launch.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(rows));
+  config.blockDim = dim3(kMergeThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  if (device_has_programmatic_launch()) {
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  const cudaError_t launched = cudaLaunchKernelEx(&config, paged_decode_merge_kernel<T, D>, args);
+  if (launched != cudaSuccess)
+    return {std::string("paged_decode_merge_kernel: ") + cudaGetErrorString(launched)};
   return status_after_launch("paged_decode_merge_kernel");
 }
 

@@ -15,12 +15,12 @@
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
 // fragment loaded by ldmatrix feeds two mma), which is the limit at one block of 16.
-// Alternatives compiled for D = 128 (sm_90, ptxas -v), all at the 255-register cap of 2 blocks/SM:
-// 64-wide K/V tiles spill ~200 bytes, Q fragments kept in registers spill ~190 bytes, an XOR
-// swizzle instead of row padding spilled (one address register per fragment). The chosen 128x32
-// tile feeds 4 mma per ldmatrix.x4, so shared-memory bandwidth and mma.sync issue are about equal;
-// measured ~250-260 TFLOP/s causal on H200 (benchmarks/bench_attention.py). Beyond that needs
-// Hopper wgmma (operands straight from shared memory), not done yet.
+// D = 128 uses 128x64 tiles: 68 bytes of spills at the 255-register cap (2 blocks/SM), measured
+// faster than 128x32 without spills (H200, causal bf16, benchmarks/bench_attention.py: B=2 S=4096
+// GQA 272 -> 281 TFLOP/s, ragged 258 -> 272; with the folded scale and the skipped O rescale of
+// paged_attention_kernel.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
+// bytes), an XOR swizzle instead of row padding (one address register per fragment, spills).
+// Beyond this needs Hopper wgmma (operands straight from shared memory), not done yet.
 #pragma once
 
 namespace astrai::kernels {
@@ -39,7 +39,7 @@ struct PagedAttentionTraits {
   static constexpr int kBlockRows = kDecode ? 16 : kWarps * 16 * kRowBlocksPerWarp;
 
   // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each).
-  static constexpr int kTileN = kDecode ? 64 : (kHeadDim <= 64 ? 64 : 32);
+  static constexpr int kTileN = kDecode ? 64 : (kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
   // Pipeline depth: decode streams K/V, so as many stages as keep 2 blocks/SM under 227 KB

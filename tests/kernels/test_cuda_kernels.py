@@ -304,6 +304,33 @@ def test_prefill_bool_mask(is_causal):
     assert (out[3] == 0).all()
 
 
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 0.9])
+def test_any_scale_sign(decode, scale):
+    """A positive scale is folded into the exponent, any other is applied to the scores first:
+    both softmax paths match the reference (a zero scale is uniform attention), with split-KV
+    decode over several chunks and causal prefill over several tiles."""
+    g = torch.Generator(device="cuda").manual_seed(31 + decode)
+    lens = [2100, 700, 9]
+    q_lens = [1, 1, 1] if decode else [300, 64, 9]
+    batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
+    poison_next_allocation(batch.q.shape, batch.q.dtype)
+    out = attention_op(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        max(q_lens),
+        decode,
+        None,
+        True,
+        scale,
+    )
+    assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
+
+
 def test_decode_cuda_graph_replay_with_growing_lengths():
     """Capture one decode step, then replay it as the sequences grow: the split count and the
     workspace come from shapes, the per-split chunk from the seq_lens read on the device."""

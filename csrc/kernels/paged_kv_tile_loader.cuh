@@ -1,0 +1,110 @@
+// Copies K/V tiles of one (sequence, kv head) from the paged pool into the shared-memory stages of
+// the attention kernel, and waits for them:
+//
+//   lookup(tile)        read the page ids of the tile's rows into registers
+//   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
+//   commit()            close the copies issued so far as one pipeline step
+//   wait(tile)          block until the tile is in shared memory, visible to every thread
+//
+// 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
+// page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
+// launcher), the head and column part once. Rows past kv_end are zero-filled (their scores are
+// masked, but P V multiplies them by 0 and 0 * NaN would be NaN). Shared rows are padded to
+// Traits::kRowStride elements (see device_primitives.cuh).
+//
+// Measured alternative (benchmarks/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
+// completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "device_primitives.cuh"
+#include "paged_attention_params.h"
+
+namespace astrai::kernels {
+
+// What the loader needs to address one (sequence, kv head)'s rows of the pool.
+struct KVTileSource {
+  const char* k_head;  // k_cache + kv_head * k_stride_head, in bytes
+  const char* v_head;
+  int k_page_bytes, k_slot_bytes;  // byte strides; the launcher checks that they fit in int32
+  int v_page_bytes, v_slot_bytes;
+  const int32_t* block_table;  // this sequence's row of the block table
+  int log2_page_size;
+  int kv_begin, kv_end;  // this block's kv range
+};
+
+template <typename Traits, typename T>
+struct KVTileLoader {
+  static constexpr int D = Traits::kHeadDim;
+  static constexpr int kChunks = Traits::kChunksPerRow;
+  static constexpr int kThreads = Traits::kThreads;
+  static constexpr int kTileN = Traits::kTileN;
+  static constexpr int kStages = Traits::kStages;
+  // Each thread copies the same 16-byte column of kCopies rows: row0 + i * kRowsPerPass.
+  static constexpr int kCopies = kTileN * kChunks / kThreads;
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static_assert(kThreads % kChunks == 0, "a thread's rows must keep one column");
+  static_assert((kTileN * kChunks) % kThreads == 0, "tile copy must divide evenly");
+
+  KVTileSource src;
+  T* k_smem;
+  T* v_smem;
+  const char* k_thread;  // k_head + this thread's column
+  const char* v_thread;
+  int row0, chunk;
+  int pages[kCopies];
+
+  __device__ __forceinline__ KVTileLoader(const KVTileSource& source, T* k_stages, T* v_stages,
+                                          int tid)
+      : src(source), k_smem(k_stages), v_smem(v_stages) {
+    row0 = tid / kChunks;
+    chunk = tid % kChunks;
+    k_thread = src.k_head + chunk * 8 * (int)sizeof(T);
+    v_thread = src.v_head + chunk * 8 * (int)sizeof(T);
+  }
+
+  __device__ __forceinline__ void lookup(int tile) {
+    const int pos0 = src.kv_begin + tile * kTileN + row0;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int pos = pos0 + i * kRowsPerPass;
+      pages[i] = pos < src.kv_end ? src.block_table[pos >> src.log2_page_size] : 0;
+    }
+  }
+
+  __device__ __forceinline__ void issue(int tile, int stage) {
+    const int pos0 = src.kv_begin + tile * kTileN + row0;
+    const int page_mask = (1 << src.log2_page_size) - 1;
+    T* k_dst = k_smem + stage * kTileN * Traits::kRowStride;
+    T* v_dst = v_smem + stage * kTileN * Traits::kRowStride;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int pos = pos0 + i * kRowsPerPass;
+      // Rows past kv_end read nothing (zero fill); their page id is 0, so the address is a plain
+      // pool address either way.
+      const bool valid = pos < src.kv_end;
+      const int slot = pos & page_mask;
+      const char* k_src =
+          k_thread + ((int64_t)pages[i] * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
+      const char* v_src =
+          v_thread + ((int64_t)pages[i] * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
+      const int offset = tile_offset<D>(row0 + i * kRowsPerPass, chunk);
+      cp_async_16(shared_address(k_dst + offset), k_src, valid);
+      cp_async_16(shared_address(v_dst + offset), v_src, valid);
+    }
+  }
+
+  __device__ __forceinline__ void commit() { cp_async_commit(); }
+
+  // Every step commits one group (empty or not), so "all but the newest kStages - 1 groups done"
+  // means this tile (and the query tile, committed with the first step) has landed.
+  __device__ __forceinline__ void wait(int /*tile*/) {
+    cp_async_wait<kStages - 1>();
+    __syncthreads();
+  }
+};
+
+}  // namespace astrai::kernels
