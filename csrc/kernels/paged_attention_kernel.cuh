@@ -263,8 +263,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
 
-    // Online softmax (FlashAttention-2). O is rescaled only when some row of the warp has a new
-    // max: otherwise every alpha is exp2(0) = 1 exactly, and skipping the multiply changes nothing.
+    // Online softmax (FlashAttention-2). O is rescaled only when some lane's alpha differs from
+    // 1; skipping a multiply by exactly 1 changes nothing. Caveat (SASS, sm_90): with the folded
+    // scale ptxas contracts row_max * exp_scale - base into one FFMA, so an unchanged max leaves
+    // the product's rounding residual (alpha = exp2(~1e-7) != 1) and the skip seldom triggers
+    // there; results stay correct. Selecting alpha = 1 when new_max == row_max would restore the
+    // skip (not yet measured).
     float alpha[kMRep][2];
 #pragma unroll
     for (int mi = 0; mi < kMRep; ++mi) {
