@@ -17,7 +17,7 @@
 // fragment loaded by ldmatrix feeds two mma), which is the limit at one block of 16.
 // D = 128 uses 128x64 tiles: 68 bytes of spills at the 255-register cap (2 blocks/SM), measured
 // faster than 128x32 without spills (H200, causal bf16, benchmarks/bench_attention.py: B=2 S=4096
-// GQA 272 -> 281 TFLOP/s, ragged 258 -> 272; with the folded scale and the skipped O rescale of
+// GQA 272 -> 281 TFLOP/s, ragged 258 -> 272; with the folded scale of
 // paged_attention_kernel.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
 // bytes), an XOR swizzle instead of row padding (one address register per fragment, spills).
 // Beyond this needs Hopper wgmma (operands straight from shared memory), not done yet.
