@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
     loader.commit();
     if constexpr (kDecode) loader.lookup(next + 1);
-    loader.wait(tile);
+    loader.wait();
 
     if constexpr (Traits::kQInRegisters) {
       if (tile == 0) {
@@ -264,11 +265,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
 
     // Online softmax (FlashAttention-2). O is rescaled only when some lane's alpha differs from
-    // 1; skipping a multiply by exactly 1 changes nothing. Caveat (SASS, sm_90): with the folded
-    // scale ptxas contracts row_max * exp_scale - base into one FFMA, so an unchanged max leaves
-    // the product's rounding residual (alpha = exp2(~1e-7) != 1) and the skip seldom triggers
-    // there; results stay correct. Selecting alpha = 1 when new_max == row_max would restore the
-    // skip (not yet measured).
+    // 1; skipping a multiply by exactly 1 changes nothing. An unchanged max sets alpha = 1
+    // outright: with the folded scale ptxas contracts row_max * exp_scale - base into one FFMA,
+    // whose rounding residual would otherwise give exp2(~1e-7) != 1 and defeat the skip.
     float alpha[kMRep][2];
 #pragma unroll
     for (int mi = 0; mi < kMRep; ++mi) {
@@ -283,7 +282,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const float new_max = fmaxf(row_max[mi][half], tile_max);
         // A row with no visible key yet keeps max -inf; subtract 0 then (exp2(-inf) = 0, no NaN).
         const float base = (new_max == kNegInf ? 0.f : new_max) * exp_scale;
-        alpha[mi][half] = fast_exp2(row_max[mi][half] * exp_scale - base);
+        alpha[mi][half] =
+            new_max == row_max[mi][half] ? 1.f : fast_exp2(row_max[mi][half] * exp_scale - base);
         row_max[mi][half] = new_max;
         float sum = 0.f;
 #pragma unroll
@@ -436,12 +436,22 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
 }
 
-// Programmatic dependent launch needs sm_90 (the current device's compute capability >= 9).
+// Programmatic dependent launch needs sm_90 (the current device's compute capability >= 9). Every
+// split decode launch asks, so the answer is kept per device (0 not yet asked, 1 no, 2 yes).
 inline bool device_has_programmatic_launch() {
-  int device = 0, major = 0;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // static storage: zero-initialised
+  int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device >= 0 && device < kMaxDevices) {
+    const int answer = known[device].load(std::memory_order_relaxed);
+    if (answer != 0) return answer == 2;
+  }
+  int major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
     return false;
+  if (device >= 0 && device < kMaxDevices)
+    known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
   return major >= 9;
 }
 

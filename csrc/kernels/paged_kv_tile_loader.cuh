@@ -4,7 +4,8 @@
 //   lookup(tile)        read the page ids of the tile's rows into registers
 //   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
 //   commit()            close the copies issued so far as one pipeline step
-//   wait(tile)          block until the tile is in shared memory, visible to every thread
+//   wait()              block until the oldest pending tile is in shared memory, visible to
+//                       every thread
 //
 // 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
 // page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
@@ -101,7 +102,7 @@ struct KVTileLoader {
 
   // Every step commits one group (empty or not), so "all but the newest kStages - 1 groups done"
   // means this tile (and the query tile, committed with the first step) has landed.
-  __device__ __forceinline__ void wait(int /*tile*/) {
+  __device__ __forceinline__ void wait() {
     cp_async_wait<kStages - 1>();
     __syncthreads();
   }
