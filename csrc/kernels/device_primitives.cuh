@@ -95,18 +95,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Shared-memory tiles of rows of D 16-bit elements, each row padded by one 16-byte chunk: the 8
-// rows an ldmatrix reads at one column then start 4 banks apart (conflict-free), cp.async writes
-// stay 16-byte aligned, and every fragment address is a per-lane base plus a compile-time offset.
-// (An XOR swizzle saves the padding but made ptxas keep one address register per fragment: ~48
-// registers at D = 128, which spilled.)
-template <int kHeadDim>
-__device__ __forceinline__ constexpr int padded_row_stride() {
-  return kHeadDim + 8;
+// Shared-memory tiles of rows of D 16-bit elements (16-byte chunks), in one of two layouts:
+//
+// Padded (kSwizzle = false): each row padded by one chunk. The 8 rows an ldmatrix reads at one
+// column then start 4 banks apart (conflict-free), and every fragment address is a per-lane base
+// plus a compile-time offset, which keeps registers free (prefill runs at the 255 cap).
+//
+// Swizzled (kSwizzle = true): rows of exactly D elements, chunk c of row r stored at c ^ (r % 8);
+// the 8 rows of an ldmatrix again hit 8 distinct chunk positions of a 128-byte line. Costs an
+// address register per fragment column, but every row (and every 32-byte sector a cp.async
+// brings in) lands aligned: with the padded layout, rows at 272-byte pitch, a streaming kernel
+// read global memory 7-8% slower (H200 microbenchmark, benchmarks/NOTES.md), so decode uses this.
+template <int kHeadDim, bool kSwizzle>
+__device__ __forceinline__ constexpr int tile_row_stride() {
+  return kSwizzle ? kHeadDim : kHeadDim + 8;
 }
-template <int kHeadDim>
+template <int kHeadDim, bool kSwizzle>
 __device__ __forceinline__ int tile_offset(int row, int chunk) {
-  return row * padded_row_stride<kHeadDim>() + chunk * 8;
+  static_assert(!kSwizzle || kHeadDim >= 64, "the swizzle permutes 8 chunks of a row");
+  if constexpr (kSwizzle) return row * kHeadDim + ((chunk ^ (row & 7)) * 8);
+  return row * (kHeadDim + 8) + chunk * 8;
 }
 
 }  // namespace astrai::kernels

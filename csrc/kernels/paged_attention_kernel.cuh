@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const int head = kv_head * group + row % group;
         src = q_base + token * p.q_stride_token + head * p.q_stride_head + ch * 8;
       }
-      cp_async_16(shared_address(q_smem + tile_offset<D>(r, ch)), src, valid);
+      cp_async_16(shared_address(q_smem + tile_offset<D, Traits::kSwizzle>(r, ch)), src, valid);
     }
   };
   // K/V tiles (see paged_kv_tile_loader.cuh).
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   auto load_q_fragment = [&](int mi, int ks, uint32_t (&a)[4]) {
     const int r = warp_row0 + mi * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
     const int ch = ks * 2 + lane / 16;
-    ldmatrix_x4(shared_address(q_smem + tile_offset<D>(r, ch)), a);
+    ldmatrix_x4(shared_address(q_smem + tile_offset<D, Traits::kSwizzle>(r, ch)), a);
   };
 
   // ---- pipeline prologue ---------------------------------------------------------------------
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         uint32_t b[4];
         const int r = warp_col0 + nj * 16 + (lane % 8) + (lane / 16) * 8;
         const int ch = ks * 2 + (lane / 8) % 2;
-        ldmatrix_x4(shared_address(k_tile + tile_offset<D>(r, ch)), b);
+        ldmatrix_x4(shared_address(k_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
 #pragma unroll
         for (int mi = 0; mi < kMRep; ++mi) {
           mma_m16n8k16<T>(s_acc[mi][2 * nj], a[mi], b[0], b[1]);
@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         uint32_t b[4];
         const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
         const int ch = dj * 2 + lane / 16;
-        ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D>(r, ch)), b);
+        ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
 #pragma unroll
         for (int mi = 0; mi < kMRep; ++mi) {
           mma_m16n8k16<T>(o_acc[mi][2 * dj], a[mi], b[0], b[1]);

@@ -10,7 +10,9 @@
 // than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their
 // softmax states through shared memory at the end. The kernel is memory-bound, so the padded rows
 // cost nothing; what matters is bytes in flight: kStages-deep cp.async pipeline per block and
-// kBlocksPerSm blocks resident per SM.
+// kBlocksPerSm blocks resident per SM, and rows that land aligned: decode tiles are swizzled, not
+// padded (see tile_offset in device_primitives.cuh; padded 272-byte rows read the stream 7-8%
+// slower, and swizzling took B=64 L=4096 from 3.96 to 4.27 TB/s, H200, benchmarks/NOTES.md).
 //
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
@@ -19,7 +21,8 @@
 // faster than 128x32 without spills (H200, causal bf16, benchmarks/bench_attention.py: B=2 S=4096
 // GQA 272 -> 281 TFLOP/s, ragged 258 -> 272; with the folded scale of
 // paged_attention_kernel.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
-// bytes), an XOR swizzle instead of row padding (one address register per fragment, spills).
+// bytes), an XOR swizzle instead of row padding (one address register per fragment, spills;
+// measured again with the decode swizzle: 298 -> 295 TFLOP/s at B=2 S=4096, 96 bytes of spills).
 // Beyond this needs Hopper wgmma (operands straight from shared memory), not done yet.
 #pragma once
 
@@ -49,8 +52,10 @@ struct PagedAttentionTraits {
   // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
   static constexpr bool kQInRegisters = kDecode && kHeadDim <= 128;
 
-  // Shared-memory rows are padded by 8 elements (see tile_offset in device_primitives.cuh).
-  static constexpr int kRowStride = kHeadDim + 8;
+  // Shared-memory row layout (see tile_offset in device_primitives.cuh): decode streams K/V and
+  // reads faster into swizzled, unpadded rows; prefill keeps padded rows (fewer registers).
+  static constexpr bool kSwizzle = kDecode;
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;
   static constexpr int kQSmemElements = kBlockRows * kRowStride;
   static constexpr int kKVSmemElements = kStages * kTileN * kRowStride;  // per K and per V
   static constexpr int kSmemBytes = (kQSmemElements + 2 * kKVSmemElements) * 2;

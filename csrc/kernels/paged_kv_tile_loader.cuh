@@ -10,8 +10,8 @@
 // 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
 // page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
 // launcher), the head and column part once. Rows past kv_end are zero-filled (their scores are
-// masked, but P V multiplies them by 0 and 0 * NaN would be NaN). Shared rows are padded to
-// Traits::kRowStride elements (see device_primitives.cuh).
+// masked, but P V multiplies them by 0 and 0 * NaN would be NaN). Shared rows follow the traits'
+// layout (Traits::kSwizzle, Traits::kRowStride; see tile_offset in device_primitives.cuh).
 //
 // Measured alternative (benchmarks/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
 // completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower.
@@ -92,7 +92,7 @@ struct KVTileLoader {
           k_thread + ((int64_t)pages[i] * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
       const char* v_src =
           v_thread + ((int64_t)pages[i] * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
-      const int offset = tile_offset<D>(row0 + i * kRowsPerPass, chunk);
+      const int offset = tile_offset<D, Traits::kSwizzle>(row0 + i * kRowsPerPass, chunk);
       cp_async_16(shared_address(k_dst + offset), k_src, valid);
       cp_async_16(shared_address(v_dst + offset), v_src, valid);
     }
