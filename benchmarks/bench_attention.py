@@ -20,9 +20,9 @@ sequence's pages scattered over the pool); the SDPA peers read the same values a
 Method (benchmarks/README.md has the details): ceilings measured in the same process (4 GiB
 device-to-device copy, bytes read + written; bf16 8192^3 matmul); every peer's first output is
 compared with a float32 reference (rel L2 error recorded); then warm-up and the median of
-``--repeats`` CUDA-event timings, a 256 MB buffer written between runs to flush L2. A peer that
-raises is recorded with its error and the run goes on. Outputs (under --out): bench_<gpu>_<date>
-.json/.md, decode_tbps.png, prefill_tflops.png.
+``--repeats`` CUDA-event timings, a 256 MB buffer read between runs to flush L2 (``--flush``). A
+peer that raises is recorded with its error and the run goes on. Outputs (under --out):
+bench_<gpu>_<date>.json/.md, decode_tbps.png, prefill_tflops.png.
 """
 
 from __future__ import annotations
@@ -309,13 +309,34 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------------
 # Timing
 # --------------------------------------------------------------------------------------------
-class Timer:
-    """CUDA-event timing: warm-up, then ``repeats`` runs, each after a 256 MB write that evicts
-    L2; the flush lies outside the events. Events are read after one final synchronize."""
+FLUSH_MODES = {
+    # A read of a 256 MB buffer (a sum) leaves L2 cold and clean: every line the timed call
+    # needs comes from memory, and no line of the flush is left to be written back.
+    "read": "256 MB read between runs (L2 cold and clean, outside the events)",
+    # A write of 256 MB (until 2026-12-02, third session) leaves L2 full of dirty lines whose
+    # write-back then runs inside the next timed call: measured on the H200, about 8 us more
+    # for every peer alike (benchmarks/NOTES.md, "The flush").
+    "write": "256 MB write between runs (L2 cold, full of dirty lines, outside the events)",
+}
 
-    def __init__(self, warmup: int, repeats: int):
+
+class Timer:
+    """CUDA-event timing: warm-up, then ``repeats`` runs, each after a flush that evicts L2
+    (FLUSH_MODES); the flush lies outside the events. Events are read after one final
+    synchronize."""
+
+    def __init__(self, warmup: int, repeats: int, flush_mode: str = "read"):
         self.warmup, self.repeats = warmup, repeats
+        self.flush_mode = flush_mode
         self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device=DEVICE)
+        if flush_mode == "read" and DEVICE == "cuda":
+            self.flush.fill_(1.0)  # defined values to read
+
+    def evict(self, i: int) -> None:
+        if self.flush_mode == "read":
+            self.flush.sum()
+        else:
+            self.flush.fill_(float(i))
 
     def measure(self, fn: Callable, flush: bool = True, repeats: Optional[int] = None) -> dict:
         repeats = repeats or self.repeats
@@ -329,7 +350,7 @@ class Timer:
             ]
             for i, (start, end) in enumerate(events):
                 if flush:
-                    self.flush.fill_(float(i))
+                    self.evict(i)
                 start.record()
                 fn()
                 end.record()
@@ -869,6 +890,8 @@ def render_markdown(result: dict) -> str:
         f"(anchors: {ANCHOR_CEILINGS['copy_TBps']:.2f} TB/s, "
         f"{ANCHOR_CEILINGS['matmul_TFLOPs']:.0f} TFLOP/s).",
         "",
+        f"Timing: {result.get('method', {}).get('timing', '?')}.",
+        "",
         "Cells: value (% of this run's ceiling); `!` = output differs from the float32 "
         f"reference by more than {VERIFY_TOLERANCE:g} rel L2; `err` = the peer raised (see "
         f"Errors); `skip` = not run by design. `anchor *` = SDPA on {ANCHOR_SOURCE}.",
@@ -1181,6 +1204,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--seed", type=int, default=0, help="random seed (inputs, page order, ragged mix)"
     )
     parser.add_argument(
+        "--flush",
+        choices=sorted(FLUSH_MODES),
+        default="read",
+        help="how L2 is emptied before each timed run: read (default; cold, clean) or write "
+        "(cold, dirty: the flush's write-back lands in the timed call, as before 2026-12-02)",
+    )
+    parser.add_argument(
         "--selftest",
         action="store_true",
         help="no GPU: check the byte/FLOP counting and the paged layout on the CPU, and render the "
@@ -1238,7 +1268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env=collect_env(command, astrai_info),
         method=dict(
             timing=f"CUDA events, {args.warmup} warm-up, median of {args.repeats}, "
-            f"{FLUSH_BYTES >> 20} MB write between runs (L2 flush, outside the events)",
+            f"{FLUSH_MODES[args.flush]}",
             verify=f"first output vs float32 reference (rel L2, tolerance {VERIFY_TOLERANCE:g})",
             decode_bytes="2*B*L*Hkv*D*2 (K+V) + 2*B*Hq*D*2 (q + out)",
             prefill_flops="2*B*Hq*S*S*D causal square; ragged: 4*D*Hq*visible pairs",
@@ -1257,7 +1287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sets={},
     )
     print(json.dumps(result["env"]), flush=True)
-    timer = Timer(args.warmup, args.repeats)
+    timer = Timer(args.warmup, args.repeats, args.flush)
     result["ceilings"] = measure_ceilings(timer)
     c = result["ceilings"]
     print(

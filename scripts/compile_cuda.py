@@ -1,6 +1,6 @@
-"""Compiles every .cu file under csrc/ with nvcc for sm_80 and sm_90, without linking: CI's
-proof that the CUDA code builds on a machine with no GPU (and with a CPU build of torch,
-whose headers suffice to compile the bindings)."""
+"""Compiles every .cu file under csrc/ and benchmarks/ with nvcc for sm_80 and sm_90, without
+linking: CI's proof that the CUDA code builds on a machine with no GPU (and with a CPU build of
+torch, whose headers suffice to compile the bindings)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,11 @@ def compile_one(source: str, arch: str) -> tuple[str, int, str]:
 
 
 def main() -> None:
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
+    sources = sorted(
+        source
+        for folder in ("csrc", "benchmarks")
+        for source in glob.glob(os.path.join(ROOT, folder, "**", "*.cu"), recursive=True)
+    )
     if not sources:
         print("compile_cuda: no .cu files")
         return

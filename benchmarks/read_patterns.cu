@@ -1,0 +1,354 @@
+// Read-rate microbenchmark: how fast can a decode-style K/V stream be read on this GPU, and which
+// detail of the copy pattern costs what? No attention math: every block copies 64-row K and V
+// tiles (256-byte rows, D = 128 bf16) into shared memory with 16-byte cp.async, three stages,
+// a block barrier per tile, and reads each tile back once from shared memory. Variants change one
+// thing at a time: 108.8 KB of shared memory per block (the attention kernel's size before the
+// swizzle), rows at a 272-byte pitch (the padded layout), the zero-fill form of cp.async, the
+// attention kernel's start (seq_len, then a page id, then copies), and a persistent grid.
+// Each line is the median of 15 launches, L2 emptied before each by a 256 MB read ("clean") or a
+// 256 MB write ("dirty", whose write-back then lands inside the timed launch).
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 benchmarks/read_patterns.cu \
+//       -o /tmp/read_patterns && /tmp/read_patterns
+//
+// Readings (H200): results/read_patterns_NVIDIA-H200_2026-12-02.md; what they changed: NOTES.md.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#define CK(x)                                                                   \
+  do {                                                                          \
+    cudaError_t e = (x);                                                        \
+    if (e != cudaSuccess) {                                                     \
+      printf("CUDA error %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); \
+      exit(1);                                                                  \
+    }                                                                           \
+  } while (0)
+
+constexpr int kRowBytes = 256;  // D = 128 bf16
+constexpr int kChunks = 16;     // 16-byte pieces per row
+
+struct Layout {
+  const char* k;
+  const char* v;
+  int64_t seq_stride, head_stride, token_stride;  // bytes
+  int heads, length, splits;
+  int items;  // seqs * heads * splits
+  float* out;
+  const int* lens;   // [items], all = a large length
+  const int* table;  // zeros
+};
+
+__device__ __forceinline__ uint32_t saddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+template <int kHint>
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+  if constexpr (kHint == 0)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else if constexpr (kHint == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+  else
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void item_range(const Layout& L, int item, const char*& kb,
+                                           const char*& vb, int& begin, int& end) {
+  const int split = item % L.splits;
+  const int sh = item / L.splits;
+  const int head = sh % L.heads, seq = sh / L.heads;
+  const int chunk = L.length / L.splits;
+  begin = split * chunk;
+  end = begin + chunk;
+  kb = L.k + seq * L.seq_stride + head * L.head_stride;
+  vb = L.v + seq * L.seq_stride + head * L.head_stride;
+}
+
+// Block pipeline, as the attention kernel: all threads copy each tile, barrier per tile, then a
+// "consume" that reads the tile from shared memory (the bytes the mma loop would read).
+template <int kThreads, int kTile, int kStages, int kHint, bool kPersistent, int kRowPitch = 256,
+          bool kZfill = false, bool kChain = false>
+__global__ void __launch_bounds__(kThreads) block_pipeline(const Layout L) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kStageBytes = kTile * kRowPitch;
+  unsigned char* ks = smem;
+  unsigned char* vs = smem + kStages * kStageBytes;
+  const int tid = threadIdx.x;
+  const int row0 = tid / kChunks, ch = tid % kChunks;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  constexpr int kCopies = kTile / kRowsPerPass;
+  uint32_t acc = 0;
+  for (int item = blockIdx.x; item < L.items; item += kPersistent ? gridDim.x : L.items) {
+    const char *kb, *vb;
+    int begin, end;
+    item_range(L, item, kb, vb, begin, end);
+    if constexpr (kChain) {  // the attention kernel's start: seq_len, then a page id, then copies
+      const int len = L.lens[item];
+      const int page = L.table[len & 1023];
+      begin += page;  // page is 0: only the dependency matters
+      end = min(end, begin + len);
+    }
+    const int tiles = (end - begin) / kTile;
+    auto issue = [&](int t) {
+      const int st = t % kStages;
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const int r = row0 + i * kRowsPerPass;
+        const int64_t off = (int64_t)(begin + t * kTile + r) * L.token_stride + ch * 16;
+        if constexpr (kZfill) {
+          const int n = begin + t * kTile + r < end ? 16 : 0;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                           saddr(ks + st * kStageBytes + r * kRowPitch + ch * 16)),
+                       "l"(kb + off), "r"(n));
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                           saddr(vs + st * kStageBytes + r * kRowPitch + ch * 16)),
+                       "l"(vb + off), "r"(n));
+        } else {
+          cp16<kHint>(saddr(ks + st * kStageBytes + r * kRowPitch + ch * 16), kb + off);
+          cp16<kHint>(saddr(vs + st * kStageBytes + r * kRowPitch + ch * 16), vb + off);
+        }
+      }
+    };
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < tiles) issue(s);
+      commit();
+    }
+    for (int t = 0; t < tiles; ++t) {
+      if (t + kStages - 1 < tiles) issue(t + kStages - 1);
+      commit();
+      wait_group<kStages - 1>();
+      __syncthreads();
+      const int st = t % kStages;
+      // consume: every thread reads 2 * kStageBytes / kThreads bytes written by others
+      constexpr int kReads = 2 * kStageBytes / kThreads / 16;
+#pragma unroll
+      for (int i = 0; i < kReads; ++i) {
+        const int idx = ((tid * 7 + i * kThreads) % (2 * kStageBytes / 16));
+        const uint4 x = *reinterpret_cast<const uint4*>(
+            (idx < kStageBytes / 16 ? ks : vs - kStageBytes) + st * kStageBytes + idx * 16);
+        acc ^= x.x + x.y * 3 + x.z * 5 + x.w * 7;
+      }
+      __syncthreads();
+    }
+    wait_group<0>();
+  }
+  if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
+}
+
+// Warp-independent pipelines: each warp streams its own quarter of the item's range with its own
+// stages; __syncwarp only.
+template <int kWarps, int kWarpTile, int kStages>
+__global__ void __launch_bounds__(kWarps * 32) warp_pipeline(const Layout L) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kStageBytes = kWarpTile * kRowBytes;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  unsigned char* ks = smem + warp * 2 * kStages * kStageBytes;
+  unsigned char* vs = ks + kStages * kStageBytes;
+  const int row0 = lane / kChunks, ch = lane % kChunks;
+  constexpr int kCopies = kWarpTile / 2;
+  uint32_t acc = 0;
+  const char *kb, *vb;
+  int begin, end;
+  item_range(L, blockIdx.x, kb, vb, begin, end);
+  const int span = (end - begin) / kWarps;
+  begin += warp * span;
+  const int tiles = span / kWarpTile;
+  auto issue = [&](int t) {
+    const int st = t % kStages;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int r = row0 + i * 2;
+      const int64_t off = (int64_t)(begin + t * kWarpTile + r) * L.token_stride + ch * 16;
+      cp16<0>(saddr(ks + st * kStageBytes + r * kRowBytes + ch * 16), kb + off);
+      cp16<0>(saddr(vs + st * kStageBytes + r * kRowBytes + ch * 16), vb + off);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < tiles) issue(s);
+    commit();
+  }
+  for (int t = 0; t < tiles; ++t) {
+    if (t + kStages - 1 < tiles) issue(t + kStages - 1);
+    commit();
+    wait_group<kStages - 1>();
+    __syncwarp();
+    const int st = t % kStages;
+    constexpr int kReads = 2 * kStageBytes / 32 / 16;
+#pragma unroll
+    for (int i = 0; i < kReads; ++i) {
+      const int idx = ((lane * 7 + i * 32) % (2 * kStageBytes / 16));
+      const uint4 x = *reinterpret_cast<const uint4*>(
+          (idx < kStageBytes / 16 ? ks : vs - kStageBytes) + st * kStageBytes + idx * 16);
+      acc ^= x.x + x.y * 3 + x.z * 5 + x.w * 7;
+    }
+    __syncwarp();
+  }
+  wait_group<0>();
+  if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
+}
+
+// Plain stream: 16-byte non-coherent loads into registers, grid-stride, 4 in flight per thread.
+__global__ void __launch_bounds__(256) stream_read(const uint4* a, int64_t n, float* out) {
+  uint32_t acc = 0;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = __ldcs(a + i + j * stride);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc ^= x[j].x + x[j].y + x[j].z + x[j].w;
+  }
+  for (; i < n; i += stride) {
+    uint4 x = __ldcs(a + i);
+    acc ^= x.x + x.y + x.z + x.w;
+  }
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
+__global__ void touch_read(const uint4* a, int64_t n, float* out) {
+  uint32_t acc = 0;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    acc ^= a[i].x;
+  if (acc == 0x12345678u) out[0] = 1.f;
+}
+
+static char* g_flush_w;
+static char* g_flush_r;
+static float* g_out;
+constexpr int64_t kFlushBytes = 256ll << 20;
+static int g_mode = 1;  // 0 none, 1 write (dirty L2), 2 write then read (clean L2)
+
+static void flush(int i) {
+  if (g_mode == 0) return;
+  CK(cudaMemsetAsync(g_flush_w, i & 0xff, kFlushBytes));
+  if (g_mode == 2) touch_read<<<132 * 8, 256>>>((const uint4*)g_flush_r, kFlushBytes / 16, g_out);
+}
+
+template <typename F>
+static float time_us(F launch, int reps = 15) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 2; ++i) launch();
+  std::vector<float> ts;
+  for (int i = 0; i < reps; ++i) {
+    flush(i);
+    CK(cudaEventRecord(a));
+    launch();
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1e3f);
+  }
+  CK(cudaGetLastError());
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+template <typename K>
+static void set_smem(K kernel, int bytes) {
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+int main() {
+  int sms;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t kMax = 1ll << 30;  // per K and V
+  char *k, *v;
+  CK(cudaMalloc(&k, kMax));
+  CK(cudaMalloc(&v, kMax));
+  CK(cudaMemset(k, 1, kMax));
+  CK(cudaMemset(v, 2, kMax));
+  CK(cudaMalloc(&g_flush_w, kFlushBytes));
+  CK(cudaMalloc(&g_flush_r, kFlushBytes));
+  CK(cudaMemset(g_flush_r, 3, kFlushBytes));
+  CK(cudaMalloc(&g_out, 1 << 20));
+  int *lens, *table;
+  CK(cudaMalloc(&lens, 1 << 20));
+  CK(cudaMalloc(&table, 1 << 20));
+  {
+    std::vector<int> h(1 << 18, 1 << 30);
+    CK(cudaMemcpy(lens, h.data(), 1 << 20, cudaMemcpyHostToDevice));
+    CK(cudaMemset(table, 0, 1 << 20));
+  }
+  const char* mode_names[] = {"no flush", "write flush (dirty L2)", "write+read flush (clean L2)"};
+
+  struct Shape {
+    int b, l, splits;
+  };
+  const Shape shapes[] = {{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}};
+  for (int mode : {2, 1}) {
+    g_mode = mode;
+    printf("== %s ==\n", mode_names[mode]);
+    for (int64_t mb : {134, 268, 1073}) {
+      const int64_t bytes = mb << 20;
+      float us =
+          time_us([&] { stream_read<<<sms * 8, 256>>>((const uint4*)k, bytes / 16, g_out); });
+      printf("stream ld.v4 %5lld MB: %7.1f us %.2f TB/s\n", (long long)mb, us, bytes / us / 1e6);
+    }
+    {
+      const int64_t bytes = 1ll << 30;
+      float us = time_us([&] { CK(cudaMemcpyAsync(v, k, bytes / 2, cudaMemcpyDeviceToDevice)); });
+      printf("copy 512 MB (r+w): %.1f us %.2f TB/s\n", us, bytes / us / 1e6);
+    }
+    for (const Shape& s : shapes) {
+      for (int layout = 0; layout < 1; ++layout) {
+        Layout L;
+        L.k = k;
+        L.v = v;
+        L.heads = 8;
+        L.length = s.l;
+        L.splits = s.splits;
+        L.items = s.b * 8 * s.splits;
+        L.out = g_out;
+        L.lens = lens;
+        L.table = table;
+        if (layout == 0) {  // NHD: [B, L, H, D]
+          L.token_stride = 8 * kRowBytes;
+          L.head_stride = kRowBytes;
+          L.seq_stride = (int64_t)s.l * 8 * kRowBytes;
+        } else {  // HND contiguous: [B, H, L, D]
+          L.token_stride = kRowBytes;
+          L.head_stride = (int64_t)s.l * kRowBytes;
+          L.seq_stride = (int64_t)8 * s.l * kRowBytes;
+        }
+        const double bytes = 2.0 * s.b * s.l * 8 * kRowBytes;
+        char label[96];
+        snprintf(label, sizeof label, "B=%d L=%d %s %4.0f MB", s.b, s.l, layout ? "HND" : "NHD",
+                 bytes / 1e6);
+        auto report = [&](const char* what, float us) {
+          printf("%s %-34s %7.1f us %.2f TB/s\n", label, what, us, bytes / us / 1e6);
+        };
+        auto run = [&](auto kern, const char* name, int sm, int grid = 0) {
+          set_smem(kern, sm);
+          const int g = grid ? grid : L.items;
+          report(name, time_us([&] { kern<<<g, 128, sm>>>(L); }));
+        };
+        const int base = 3 * 64 * kRowBytes * 2;
+        const int padded = 3 * 64 * 272 * 2;
+        run(block_pipeline<128, 64, 3, 0, false>, "block st3 (96 KB)", base);
+        run(block_pipeline<128, 64, 3, 0, false>, "block st3 + 108.8 KB smem", 108800);
+        run(block_pipeline<128, 64, 3, 0, false, 272>, "block st3 272-B rows", padded);
+        run(block_pipeline<128, 64, 3, 0, false, 256, true>, "block st3 zfill form", base);
+        run(block_pipeline<128, 64, 3, 0, false, 256, false, true>, "block st3 start chain", base);
+        run(block_pipeline<128, 64, 3, 0, false, 272, true, true>, "all four", 108800);
+        run(block_pipeline<128, 64, 3, 0, true, 272, true, true>, "all four, persistent", 108800,
+            2 * sms);
+      }
+    }
+  }
+  return 0;
+}
