@@ -4,12 +4,15 @@
 // a block barrier per tile, and reads each tile back once from shared memory. Variants change one
 // thing at a time: 108.8 KB of shared memory per block (the attention kernel's size before the
 // swizzle), rows at a 272-byte pitch (the padded layout), the zero-fill form of cp.async, the
-// attention kernel's start (seq_len, then a page id, then copies), and a persistent grid.
+// attention kernel's start (seq_len, then a page id, then copies), and a persistent grid
+// ("details", the default). "strategies" compares ways of loading instead: an L2 prefetch hint,
+// smaller tiles with more stages, one block per SM, 256 threads, a persistent grid, and warps
+// that each stream their own part with their own stages (no block barrier), on NHD and HND.
 // Each line is the median of 15 launches, L2 emptied before each by a 256 MB read ("clean") or a
 // 256 MB write ("dirty", whose write-back then lands inside the timed launch).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 benchmarks/read_patterns.cu \
-//       -o /tmp/read_patterns && /tmp/read_patterns
+//       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies]
 //
 // Readings (H200): results/read_patterns_NVIDIA-H200_2026-12-02.md; what they changed: NOTES.md.
 #include <cuda_runtime.h>
@@ -17,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                   \
@@ -263,7 +267,10 @@ static void set_smem(K kernel, int bytes) {
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-int main() {
+int main(int argc, char** argv) {
+  // "details" (default): run 2 of the readings, one detail of the attention kernel's copy per
+  // line, NHD layout. "strategies": run 1, loading strategies, NHD and HND, three flushes.
+  const bool details = argc < 2 || std::string(argv[1]) != "strategies";
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int64_t kMax = 1ll << 30;  // per K and V
@@ -289,8 +296,11 @@ int main() {
   struct Shape {
     int b, l, splits;
   };
-  const Shape shapes[] = {{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}};
-  for (int mode : {2, 1}) {
+  const std::vector<Shape> shapes =
+      details ? std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}}
+              : std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}, {16, 16384, 1}};
+  const std::vector<int> modes = details ? std::vector<int>{2, 1} : std::vector<int>{1, 2, 0};
+  for (int mode : modes) {
     g_mode = mode;
     printf("== %s ==\n", mode_names[mode]);
     for (int64_t mb : {134, 268, 1073}) {
@@ -305,7 +315,7 @@ int main() {
       printf("copy 512 MB (r+w): %.1f us %.2f TB/s\n", us, bytes / us / 1e6);
     }
     for (const Shape& s : shapes) {
-      for (int layout = 0; layout < 1; ++layout) {
+      for (int layout = 0; layout < (details ? 1 : 2); ++layout) {
         Layout L;
         L.k = k;
         L.v = v;
@@ -329,24 +339,42 @@ int main() {
         char label[96];
         snprintf(label, sizeof label, "B=%d L=%d %s %4.0f MB", s.b, s.l, layout ? "HND" : "NHD",
                  bytes / 1e6);
-        auto report = [&](const char* what, float us) {
-          printf("%s %-34s %7.1f us %.2f TB/s\n", label, what, us, bytes / us / 1e6);
-        };
-        auto run = [&](auto kern, const char* name, int sm, int grid = 0) {
-          set_smem(kern, sm);
+        auto run = [&](auto kern, const char* name, int smem, int grid = 0) {
+          set_smem(kern, smem);
           const int g = grid ? grid : L.items;
-          report(name, time_us([&] { kern<<<g, 128, sm>>>(L); }));
+          const float us = time_us([&] { kern<<<g, 128, smem>>>(L); });
+          printf("%s %-34s %7.1f us %.2f TB/s\n", label, name, us, bytes / us / 1e6);
         };
-        const int base = 3 * 64 * kRowBytes * 2;
-        const int padded = 3 * 64 * 272 * 2;
-        run(block_pipeline<128, 64, 3, 0, false>, "block st3 (96 KB)", base);
-        run(block_pipeline<128, 64, 3, 0, false>, "block st3 + 108.8 KB smem", 108800);
-        run(block_pipeline<128, 64, 3, 0, false, 272>, "block st3 272-B rows", padded);
-        run(block_pipeline<128, 64, 3, 0, false, 256, true>, "block st3 zfill form", base);
-        run(block_pipeline<128, 64, 3, 0, false, 256, false, true>, "block st3 start chain", base);
-        run(block_pipeline<128, 64, 3, 0, false, 272, true, true>, "all four", 108800);
-        run(block_pipeline<128, 64, 3, 0, true, 272, true, true>, "all four, persistent", 108800,
-            2 * sms);
+        const int tile64 = 64 * kRowBytes * 2;  // K + V of one 64-row stage
+        if (details) {
+          run(block_pipeline<128, 64, 3, 0, false>, "block st3 (96 KB)", 3 * tile64);
+          run(block_pipeline<128, 64, 3, 0, false>, "block st3 + 108.8 KB smem", 108800);
+          run(block_pipeline<128, 64, 3, 0, false, 272>, "block st3 272-B rows", 3 * 64 * 272 * 2);
+          run(block_pipeline<128, 64, 3, 0, false, 256, true>, "block st3 zfill form", 3 * tile64);
+          run(block_pipeline<128, 64, 3, 0, false, 256, false, true>, "block st3 start chain",
+              3 * tile64);
+          run(block_pipeline<128, 64, 3, 0, false, 272, true, true>, "all four", 108800);
+          run(block_pipeline<128, 64, 3, 0, true, 272, true, true>, "all four, persistent", 108800,
+              2 * sms);
+        } else {
+          run(block_pipeline<128, 64, 3, 0, false>, "block 128t tile64 st3", 3 * tile64);
+          run(block_pipeline<128, 64, 3, 256, false>, "block 128t tile64 st3 L2::256B", 3 * tile64);
+          run(block_pipeline<128, 32, 6, 0, false>, "block 128t tile32 st6", 3 * tile64);
+          run(block_pipeline<128, 64, 6, 0, false>, "block 128t tile64 st6 (1/SM)", 6 * tile64);
+          // 256 threads: the launch helper uses 128, so this one is launched here.
+          {
+            auto kern = block_pipeline<256, 64, 3, 0, false>;
+            set_smem(kern, 3 * tile64);
+            const float us = time_us([&] { kern<<<L.items, 256, 3 * tile64>>>(L); });
+            printf("%s %-34s %7.1f us %.2f TB/s\n", label, "block 256t tile64 st3", us,
+                   bytes / us / 1e6);
+          }
+          run(block_pipeline<128, 64, 3, 0, true>, "block 128t st3 persistent 2/SM", 3 * tile64,
+              std::min(L.items, 2 * sms));
+          run(warp_pipeline<4, 16, 3>, "warp 4w tile16 st3", 4 * 3 * 16 * kRowBytes * 2);
+          run(warp_pipeline<4, 16, 6>, "warp 4w tile16 st6 (1/SM)", 4 * 6 * 16 * kRowBytes * 2);
+          run(warp_pipeline<4, 8, 6>, "warp 4w tile8 st6", 4 * 6 * 8 * kRowBytes * 2);
+        }
       }
     }
   }
