@@ -8,8 +8,9 @@
 // ("details", the default). "strategies" compares ways of loading instead: an L2 prefetch hint,
 // smaller tiles with more stages, one block per SM, 256 threads, a persistent grid, and warps
 // that each stream their own part with their own stages (no block barrier), on NHD and HND.
-// Each line is the median of 15 launches, L2 emptied before each by a 256 MB read ("clean") or a
-// 256 MB write ("dirty", whose write-back then lands inside the timed launch).
+// Each line is the median of 15 launches, L2 emptied before each by a 256 MB write followed by a
+// 256 MB read of another buffer ("clean"), or by the write alone ("dirty", whose write-back then
+// lands inside the timed launch).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 benchmarks/read_patterns.cu \
 //       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies]
