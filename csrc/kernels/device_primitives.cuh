@@ -107,10 +107,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // brings in) lands aligned: with the padded layout, rows at 272-byte pitch, a streaming kernel
 // read global memory 7-8% slower (H200 microbenchmark, benchmarks/NOTES.md), so decode uses this.
 template <int kHeadDim, bool kSwizzle>
-__device__ __forceinline__ constexpr int tile_row_stride() {
-  return kSwizzle ? kHeadDim : kHeadDim + 8;
-}
-template <int kHeadDim, bool kSwizzle>
 __device__ __forceinline__ int tile_offset(int row, int chunk) {
   static_assert(!kSwizzle || kHeadDim >= 64, "the swizzle permutes 8 chunks of a row");
   if constexpr (kSwizzle) return row * kHeadDim + ((chunk ^ (row & 7)) * 8);
