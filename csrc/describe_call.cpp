@@ -3,8 +3,11 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <climits>
 #include <cmath>
+#include <sstream>
 #include <string>
+#include <tuple>
 
 #include "attention_args.h"
 #include "check.h"
@@ -231,6 +234,61 @@ void validate_paged(const AttentionArgs& a) {
   }
 }
 
+std::string strides_string(const at::Tensor& t) {
+  std::ostringstream text;
+  text << t.sym_strides();
+  return text.str();
+}
+
+// The cuda kernels copy rows in 16-byte pieces (cp.async) and address a pool page with 32-bit
+// byte offsets (csrc/kernels/paged_kv_tile_loader.cuh). A tensor outside those rules is a reason
+// for the resolver to pass the cuda backend by (an implicit choice then falls back), not an error.
+// Returns the first problem, or "" when there is none. Strides and offsets unknown while tracing
+// with symbolic shapes count as fine; the binding checks the real tensors again (also the data
+// pointer's alignment, which a storage offset alone cannot show).
+std::string cuda_layout_problem(const at::Tensor& t, const char* name, bool is_cache) {
+  if (t.element_size() != 2) return "";    // other dtypes are rejected by the dtype rule
+  constexpr int64_t kPer16Bytes = 8;       // 16-bit elements in 16 bytes
+  constexpr int64_t kMaxSpan = INT32_MAX;  // bytes of a page, and of the slots of one page
+  const auto strides = t.sym_strides();
+  const auto sizes = t.sym_sizes();
+  const int64_t rank = t.dim();
+  if (rank == 0) return "";
+  const auto last = strides[rank - 1].maybe_as_int();
+  if (last && *last != 1) {
+    return std::string(name) + " needs a contiguous last dim (stride 1), got strides " +
+           strides_string(t);
+  }
+  for (int64_t d = 0; d + 1 < rank; ++d) {
+    const auto stride = strides[d].maybe_as_int();
+    const auto size = sizes[d].maybe_as_int();
+    if (stride && size && *size != 1 && (*stride < 0 || *stride % kPer16Bytes != 0)) {
+      return std::string(name) + " strides " + strides_string(t) +
+             " must be multiples of 8 elements (16-byte rows)";
+    }
+  }
+  const auto offset = t.sym_storage_offset().maybe_as_int();
+  if (offset && *offset % kPer16Bytes != 0) {
+    return std::string(name) + " must start on a 16-byte boundary (storage offset " +
+           std::to_string(*offset) + " elements)";
+  }
+  if (is_cache && rank == 4) {
+    const auto page_stride = strides[0].maybe_as_int();
+    const auto slot_stride = strides[1].maybe_as_int();
+    const auto page_size = sizes[1].maybe_as_int();
+    if (page_stride && *page_stride * 2 > kMaxSpan) {
+      return std::string(name) + " pages must span under 2 GiB (page stride " +
+             std::to_string(*page_stride) + " elements)";
+    }
+    if (slot_stride && page_size && *slot_stride * 2 * *page_size > kMaxSpan) {
+      return std::string(name) + " slots of one page must span under 2 GiB (slot stride " +
+             std::to_string(*slot_stride) + " elements, page size " + std::to_string(*page_size) +
+             ")";
+    }
+  }
+  return "";
+}
+
 bool any_requires_grad(const AttentionArgs& a) {
   if (!c10::GradMode::is_enabled()) return false;
   bool grad = a.q.requires_grad();
@@ -274,6 +332,11 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
     call.head_dim_v = static_cast<int>(a.v_cache->size(3));
     call.num_kv_heads = static_cast<int>(a.k_cache->size(2));
     call.page_size = static_cast<int>(a.k_cache->size(1));
+    for (const auto& [t, name, is_cache] :
+         {std::tuple{&a.q, "q", false}, std::tuple{&*a.k_cache, "k_cache", true},
+          std::tuple{&*a.v_cache, "v_cache", true}}) {
+      if (call.cuda_layout.empty()) call.cuda_layout = cuda_layout_problem(*t, name, is_cache);
+    }
   } else {
     call.head_dim_v = static_cast<int>(a.v->size(3));
     call.num_kv_heads = static_cast<int>(a.k->size(2));
@@ -306,6 +369,8 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
                shape_string(*k_cache));
     call.num_kv_heads = static_cast<int>(k_cache->size(2));
     call.page_size = static_cast<int>(k_cache->size(1));
+    call.cuda_layout = cuda_layout_problem(q, "q", false);
+    if (call.cuda_layout.empty()) call.cuda_layout = cuda_layout_problem(*k_cache, "k_cache", true);
   }
   call.mask = mask_form(attn_mask);
   call.mode = mode;

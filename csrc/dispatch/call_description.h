@@ -49,6 +49,9 @@ struct CallDescription {
   bool is_causal = false;
   // Dense calls only: false when q_len != kv_len, where causal alignment conventions differ.
   bool q_len_equals_kv_len = true;
+  // Paged calls: why q or the cache pools cannot feed the cuda kernels' 16-byte copies and
+  // 32-bit in-page offsets (see cuda_layout_problem in csrc/describe_call.cpp); "" when they can.
+  std::string cuda_layout;
 };
 
 }  // namespace astr::dispatch

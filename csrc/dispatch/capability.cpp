@@ -60,6 +60,7 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
     reasons.push_back("additive (float) masks not supported (supported: none, boolean)");
   }
   if (call.needs_grad) reasons.push_back("has no backward (inputs require grad)");
+  if (!call.cuda_layout.empty()) reasons.push_back(call.cuda_layout);
   check_heads_divide(call, reasons);
 }
 

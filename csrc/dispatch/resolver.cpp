@@ -67,8 +67,11 @@ struct DecisionKeyHash {
   }
 };
 
-// False when a field does not fit its slot in the key (then the decision is not memoised).
+// False when a field does not fit its slot in the key (then the decision is not memoised). A call
+// with a cuda layout problem (rare: a pool the kernels' copies cannot read) is not memoised
+// either, so the key needs no room for the problem's text.
 bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation, DecisionKey& key) {
+  if (!c.cuda_layout.empty()) return false;
   const int wide[] = {c.head_dim, c.head_dim_v, c.num_q_heads, c.num_kv_heads, c.page_size};
   for (int value : wide) {
     if (value < 0 || value > 0xFFFF) return false;

@@ -177,6 +177,39 @@ TEST(CudaCapability, RejectsWhatTheKernelsCannotRun) {
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "no backward"));
 }
 
+TEST(CudaCapability, PassesOverALayoutItsCopiesCannotRead) {
+  BackendStatus ok{true, "", 0};
+  CallDescription call = paged_decode();
+  call.cuda_layout = "k_cache strides [4352, 272, 68, 1] must be multiples of 8 elements";
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       "k_cache strides [4352, 272, 68, 1]"));
+  EXPECT_TRUE(rejection_reasons(Backend::kTorchNative, call, ok, Checks::kAll).empty());
+  // Implicit: the default priority passes cuda by (flash wants 256-token pages here).
+  Decision implicit = resolve_backend(call, {}, all_available());
+  ASSERT_TRUE(implicit.chosen.has_value());
+  EXPECT_EQ(*implicit.chosen, Backend::kTorchNative);
+  // Explicit: strict, and the reason is the layout.
+  Decision strict = resolve_backend(call, {SelectionSource::kArgument, "cuda"}, all_available());
+  EXPECT_FALSE(strict.chosen.has_value());
+  EXPECT_TRUE(mentions(strict.reasons[0], "must be multiples of 8 elements"));
+}
+
+TEST(ResolveBackendCached, ALayoutProblemIsNeverMixedUpWithAPlainCall) {
+  const Selection strict{SelectionSource::kArgument, "cuda"};
+  const BackendStatusTable& table = BackendStatusTable::instance();
+  CallDescription bad = paged_decode();
+  bad.cuda_layout = "k_cache must start on a 16-byte boundary (storage offset 1 elements)";
+  const CallDescription plain = paged_decode();
+  const auto reasons_of = [&](const CallDescription& call) {
+    return resolve_backend_cached(call, strict, table).reasons[0];
+  };
+  // Either order: the memo must not answer one call with the other's reasons.
+  EXPECT_TRUE(mentions(reasons_of(bad), "16-byte boundary"));
+  EXPECT_FALSE(mentions(reasons_of(plain), "16-byte boundary"));
+  EXPECT_TRUE(mentions(reasons_of(bad), "16-byte boundary"));
+  EXPECT_FALSE(mentions(reasons_of(plain), "16-byte boundary"));
+}
+
 TEST(CudaCapability, FormChecksIgnorePlacement) {
   BackendStatus missing{false, "library built without CUDA kernels", 0};
   CallDescription call = paged_decode();

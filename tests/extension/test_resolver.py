@@ -416,6 +416,78 @@ def test_explain_and_attention_agree():
     )
 
 
+# -- the cuda backend's layout rules --------------------------------------------------------
+# Its kernels copy 16-byte pieces of rows and address a page with 32-bit offsets: a pool (or q)
+# outside those rules makes the resolver pass cuda by, with the reason, like any other rule.
+
+LAYOUTS = {
+    # a pool that starts one element into its storage
+    "offset": (lambda p, s, h, d, **kw: torch.randn(p * s * h * d + 1, **kw)[1:].view(p, s, h, d)),
+    # rows of 68 elements of which 64 are used: strides not multiples of 8
+    "stride": (lambda p, s, h, d, **kw: torch.randn(p, s, h, d + 4, **kw)[..., :d]),
+    # every other element: a last dim that is not contiguous
+    "last-dim": (lambda p, s, h, d, **kw: torch.randn(p, s, h, 2 * d, **kw)[..., ::2]),
+}
+LAYOUT_REASONS = {
+    "offset": "k_cache must start on a 16-byte boundary (storage offset 1 elements)",
+    "stride": "k_cache strides [2176, 136, 68, 1] must be multiples of 8 elements",
+    "last-dim": "k_cache needs a contiguous last dim (stride 1), got strides",
+}
+
+
+def paged_decode_with_layout(layout, device):
+    """A bf16 decode (2 sequences, 4 q heads over 2 kv heads, D=64, 4 pages of 16 slots) whose
+    k_cache has the named layout (None: a plain contiguous pool)."""
+    g = torch.Generator(device=device).manual_seed(11)
+    kw = dict(dtype=torch.bfloat16, device=device, generator=g)
+    make = LAYOUTS.get(layout, lambda p, s, h, d, **kw: torch.randn(p, s, h, d, **kw))
+    k_cache = make(4, 16, 2, 64, **kw)
+    v_cache = torch.randn(4, 16, 2, 64, **kw)
+    args = dict(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([20, 31], dtype=torch.int32, device=device),
+        mode="decode",
+    )
+    return torch.randn(2, 4, 64, **kw), args
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_layout_the_cuda_copies_cannot_read_is_a_cuda_rejection_reason(layout):
+    q, args = paged_decode_with_layout(layout, "cpu")
+    reasons = json.loads(torch.ops.astr.explain(q, **args))["reasons"]
+    assert any(LAYOUT_REASONS[layout] in r for r in reasons["cuda"]), reasons["cuda"]
+    assert reasons["torch_native"] == []
+
+
+def test_a_plain_pool_gives_the_cuda_backend_no_layout_reason():
+    q, args = paged_decode_with_layout(None, "cpu")
+    reasons = json.loads(torch.ops.astr.explain(q, **args))["reasons"]
+    assert not any("16-byte" in r or "stride" in r for r in reasons["cuda"]), reasons["cuda"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_cuda_layout_rule_implicit_falls_back_and_explicit_raises(layout):
+    q, args = paged_decode_with_layout(layout, "cuda")
+    decision = json.loads(torch.ops.astr.explain(q, **args))
+    assert decision["backend"] == "torch_native"
+    assert any(LAYOUT_REASONS[layout] in r for r in decision["reasons"]["cuda"])
+    implicit = torch.ops.astr.attention(q, **args)
+    reference = torch.ops.astr.attention(q, backend="torch_native", **args)
+    torch.testing.assert_close(implicit, reference)
+    with pytest.raises(RuntimeError, match="Explicitly-set backend 'cuda'") as raised:
+        torch.ops.astr.attention(q, backend="cuda", **args)
+    assert LAYOUT_REASONS[layout] in str(raised.value)
+    # The same values in a plain pool run on the cuda kernels.
+    plain = dict(args, k_cache=args["k_cache"].contiguous())
+    assert json.loads(torch.ops.astr.explain(q, **plain))["backend"] == "cuda"
+    torch.testing.assert_close(
+        torch.ops.astr.attention(q, **plain).float(), reference.float(), atol=2e-2, rtol=2e-2
+    )
+
+
 # -- backends written in Python --------------------------------------------------------------
 
 
