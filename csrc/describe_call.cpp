@@ -5,7 +5,6 @@
 
 #include <climits>
 #include <cmath>
-#include <sstream>
 #include <string>
 #include <tuple>
 
@@ -234,10 +233,17 @@ void validate_paged(const AttentionArgs& a) {
   }
 }
 
+// "[a, b, ...]", "?" for a symbolic stride (c10's stream operator for SymInt arrays is not used:
+// it crashed with torch 2.11's library).
 std::string strides_string(const at::Tensor& t) {
-  std::ostringstream text;
-  text << t.sym_strides();
-  return text.str();
+  std::string text = "[";
+  const auto strides = t.sym_strides();
+  for (size_t d = 0; d < strides.size(); ++d) {
+    if (d) text += ", ";
+    const auto value = strides[d].maybe_as_int();
+    text += value ? std::to_string(*value) : std::string("?");
+  }
+  return text + "]";
 }
 
 // The cuda kernels copy rows in 16-byte pieces (cp.async) and address a pool page with 32-bit

@@ -480,8 +480,9 @@ def test_cuda_layout_rule_implicit_falls_back_and_explicit_raises(layout):
     with pytest.raises(RuntimeError, match="Explicitly-set backend 'cuda'") as raised:
         torch.ops.astr.attention(q, backend="cuda", **args)
     assert LAYOUT_REASONS[layout] in str(raised.value)
-    # The same values in a plain pool run on the cuda kernels.
-    plain = dict(args, k_cache=args["k_cache"].contiguous())
+    # The same values in a fresh, plain pool run on the cuda kernels (a fresh allocation: the
+    # "offset" view is already contiguous, so .contiguous() would keep its offset).
+    plain = dict(args, k_cache=args["k_cache"].clone(memory_format=torch.contiguous_format))
     assert json.loads(torch.ops.astr.explain(q, **plain))["backend"] == "cuda"
     torch.testing.assert_close(
         torch.ops.astr.attention(q, **plain).float(), reference.float(), atol=2e-2, rtol=2e-2
