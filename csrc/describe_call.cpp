@@ -6,7 +6,6 @@
 #include <climits>
 #include <cmath>
 #include <string>
-#include <tuple>
 
 #include "attention_args.h"
 #include "check.h"
@@ -295,6 +294,16 @@ std::string cuda_layout_problem(const at::Tensor& t, const char* name, bool is_c
   return "";
 }
 
+// The first cuda layout problem of q and the pools (v_cache may be absent: describe_form).
+std::string cuda_layout_of(const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor* v_cache) {
+  std::string problem = cuda_layout_problem(q, "q", false);
+  if (problem.empty()) problem = cuda_layout_problem(k_cache, "k_cache", true);
+  if (problem.empty() && v_cache != nullptr)
+    problem = cuda_layout_problem(*v_cache, "v_cache", true);
+  return problem;
+}
+
 bool any_requires_grad(const AttentionArgs& a) {
   if (!c10::GradMode::is_enabled()) return false;
   bool grad = a.q.requires_grad();
@@ -338,11 +347,7 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
     call.head_dim_v = static_cast<int>(a.v_cache->size(3));
     call.num_kv_heads = static_cast<int>(a.k_cache->size(2));
     call.page_size = static_cast<int>(a.k_cache->size(1));
-    for (const auto& [t, name, is_cache] :
-         {std::tuple{&a.q, "q", false}, std::tuple{&*a.k_cache, "k_cache", true},
-          std::tuple{&*a.v_cache, "v_cache", true}}) {
-      if (call.cuda_layout.empty()) call.cuda_layout = cuda_layout_problem(*t, name, is_cache);
-    }
+    call.cuda_layout = cuda_layout_of(a.q, *a.k_cache, &*a.v_cache);
   } else {
     call.head_dim_v = static_cast<int>(a.v->size(3));
     call.num_kv_heads = static_cast<int>(a.k->size(2));
@@ -375,8 +380,7 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
                shape_string(*k_cache));
     call.num_kv_heads = static_cast<int>(k_cache->size(2));
     call.page_size = static_cast<int>(k_cache->size(1));
-    call.cuda_layout = cuda_layout_problem(q, "q", false);
-    if (call.cuda_layout.empty()) call.cuda_layout = cuda_layout_problem(*k_cache, "k_cache", true);
+    call.cuda_layout = cuda_layout_of(q, *k_cache, nullptr);
   }
   call.mask = mask_form(attn_mask);
   call.mode = mode;
