@@ -5,7 +5,9 @@
 For each shape, times the cuda backend's decode with every split count (forced through
 ASTR_DECODE_SPLITS, which the binding reads when ASTR_TUNE_DECODE is set) and with the built-in
 heuristic, with bench_attention.py's timer (L2 flushed, CUDA events, medians), and checks each
-output against torch_native. Writes decode_splits.json and decode_splits.md.
+output against torch_native. Split counts above 1 are timed twice: with the in-cluster merge
+allowed (sm_90 uses it for 2 splits, see paged_attention_dispatch.cu) and with the merge kernel
+(ASTR_DECODE_CLUSTER_MERGE=0). Writes decode_splits.json and decode_splits.md.
 """
 
 from __future__ import annotations
@@ -28,7 +30,19 @@ SPLITS = [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]  # 0: the heuris
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--splits",
+        default=",".join(map(str, SPLITS)),
+        help="comma-separated split counts (0: the heuristic)",
+    )
+    parser.add_argument(
+        "--shapes", default=None, help="comma-separated BxL shapes, e.g. 16x2048,64x4096"
+    )
     args = parser.parse_args()
+    splits_list = [int(s) for s in args.splits.split(",")]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if "ASTR_TUNE_DECODE" not in os.environ:
         sys.exit("set ASTR_TUNE_DECODE=1 (the binding reads ASTR_DECODE_SPLITS only then)")
     import astrai.extension  # noqa: F401  (loads the library)
@@ -37,7 +51,7 @@ def main() -> None:
     timer = bench.Timer(warmup=3, repeats=30)
     hq, hkv, d = 32, 8, 128
     rows = []
-    for batch, length in SHAPES:
+    for batch, length in shapes:
         q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(batch * length, hkv, d, dtype=torch.bfloat16, device="cuda")
         v = torch.randn_like(k)
@@ -46,10 +60,12 @@ def main() -> None:
         kwargs = dict(cache, max_query_len=1, mode="decode")
         expected = torch.ops.astr.attention(q, backend="torch_native", **kwargs).float()
         nbytes = bench.decode_bytes(batch, length, hq, hkv, d)
-        for splits in SPLITS:
+        merges = {0: ("cluster", "kernel"), 1: ("-",), 2: ("cluster", "kernel")}
+        for splits, merge in [(s, m) for s in splits_list for m in merges.get(s, ("kernel",))]:
             if splits and splits > -(-length // 64):
                 continue
             os.environ["ASTR_DECODE_SPLITS"] = str(splits)
+            os.environ["ASTR_DECODE_CLUSTER_MERGE"] = "0" if merge == "kernel" else "1"
             out = torch.ops.astr.attention(q, backend="cuda", **kwargs).float()
             err = float((out - expected).norm() / expected.norm())
             ms = timer.measure(
@@ -60,6 +76,7 @@ def main() -> None:
                     B=batch,
                     L=length,
                     splits=splits or "heuristic",
+                    merge=merge if splits else f"{merge} if allowed",
                     us=ms * 1e3,
                     TBps=nbytes / (ms * 1e-3) / 1e12,
                     rel_l2=err,
@@ -77,11 +94,11 @@ def main() -> None:
         "",
         f"`ASTR_TUNE_DECODE=1 python3 benchmarks/sweep_decode_splits.py`; {env}",
         "",
-        "| B | L | splits | us | TB/s | rel L2 vs torch_native |",
-        "|---|---|---|---|---|---|",
+        "| B | L | splits | merge | us | TB/s | rel L2 vs torch_native |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['B']} | {r['L']} | {r['splits']} | {r['us']:.1f} | {r['TBps']:.2f} "
+        f"| {r['B']} | {r['L']} | {r['splits']} | {r['merge']} | {r['us']:.1f} | {r['TBps']:.2f} "
         f"| {r['rel_l2']:.1e} |"
         for r in rows
     ]

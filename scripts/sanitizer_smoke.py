@@ -1,10 +1,15 @@
 """A small run of every cuda-backend kernel (append, decode with split-KV, prefill with a mask),
 for `compute-sanitizer --tool memcheck`: ragged lengths that end mid-page, shuffled pages,
-GQA, and a block table wider than any sequence needs."""
+GQA, and a block table wider than any sequence needs. Split decodes run twice: merged inside a
+thread-block cluster (sm_90) and by the merge kernel."""
 
-import torch
+import os
 
-import astrai.extension  # noqa: F401  (loads the library)
+os.environ.setdefault("ASTR_TUNE_DECODE", "1")  # before the first decode: arms the merge switch
+
+import torch  # noqa: E402
+
+import astrai.extension  # noqa: F401, E402  (loads the library)
 
 
 def main() -> None:
@@ -28,11 +33,27 @@ def main() -> None:
         prefill = torch.ops.astr.cuda_paged_attention(
             q, k_cache, v_cache, block_table, seq_lens, starts, 4, False, mask, True, 0.1
         )
-        decode = torch.ops.astr.cuda_paged_attention(
-            q[:3], k_cache, v_cache, block_table, seq_lens, starts, 1, True, None, False, 0.1
-        )
+        decodes = []
+        for cluster_merge in ("1", "0"):
+            os.environ["ASTR_DECODE_CLUSTER_MERGE"] = cluster_merge
+            decodes.append(
+                torch.ops.astr.cuda_paged_attention(
+                    q[:3],
+                    k_cache,
+                    v_cache,
+                    block_table,
+                    seq_lens,
+                    starts,
+                    1,
+                    True,
+                    None,
+                    False,
+                    0.1,
+                )
+            )
         torch.cuda.synchronize()
-        assert torch.isfinite(prefill).all() and torch.isfinite(decode).all()
+        assert torch.isfinite(prefill).all() and all(torch.isfinite(d).all() for d in decodes)
+        assert torch.allclose(decodes[0].float(), decodes[1].float(), atol=2e-2)
         print(f"head_dim {head_dim} page_size {page_size}: ok")
 
 

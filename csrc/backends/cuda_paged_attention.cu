@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <string>
 
 #include "../check.h"
 #include "../kernels/launch.h"
@@ -18,14 +19,23 @@
 namespace astrai::backends {
 namespace {
 
-// Tuning hook for benchmarks/sweep_decode_splits.py: with ASTR_TUNE_DECODE set before the first
-// decode call, ASTR_DECODE_SPLITS (read on every call) forces the decode split count. Otherwise
-// one branch on a static.
-int decode_split_count_override() {
+// Tuning hooks for benchmarks/sweep_decode_splits.py and the split tests: with ASTR_TUNE_DECODE
+// set before the first decode call, ASTR_DECODE_SPLITS forces the decode split count and
+// ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster merge off (both read on every call).
+// Otherwise one branch on a static.
+bool decode_tuning() {
   static const bool tuning = std::getenv("ASTR_TUNE_DECODE") != nullptr;
-  if (!tuning) return 0;
+  return tuning;
+}
+int decode_split_count_override() {
+  if (!decode_tuning()) return 0;
   const char* value = std::getenv("ASTR_DECODE_SPLITS");
   return value == nullptr ? 0 : std::max(0, std::min(std::atoi(value), 65535));
+}
+bool decode_cluster_merge_disabled() {
+  if (!decode_tuning()) return false;
+  const char* value = std::getenv("ASTR_DECODE_CLUSTER_MERGE");
+  return value != nullptr && std::string(value) == "0";
 }
 
 using kernels::ScalarType;
@@ -196,9 +206,12 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         kernels::paged_decode_num_splits(base.num_seqs, base.num_q_heads, base.num_kv_heads,
                                          static_cast<int>(max_kv_len), base.head_dim, num_sms);
     if (const int forced = decode_split_count_override(); forced > 0) params.num_splits = forced;
+    params.merge_in_cluster = kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
+                              !decode_cluster_merge_disabled();
     // Size from shapes only (split count, T, Hq, D), never from seq_lens' values.
-    const size_t workspace_floats = kernels::paged_decode_workspace_floats(
-        params.num_splits, base.num_tokens, base.num_q_heads, base.head_dim);
+    const size_t workspace_floats =
+        kernels::paged_decode_workspace_floats(params.num_splits, params.merge_in_cluster,
+                                               base.num_tokens, base.num_q_heads, base.head_dim);
     at::Tensor workspace;
     if (workspace_floats > 0) {
       workspace =

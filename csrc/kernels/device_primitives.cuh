@@ -88,6 +88,43 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
+// Thread-block clusters (sm_90): the block's rank in its cluster, a barrier over every thread of
+// the cluster (release / acquire: shared-memory writes before it are visible to the cluster's
+// blocks after it), and the address of the same shared-memory object in the block of another rank
+// (distributed shared memory, read with ordinary loads). Before sm_90 no launch asks for a
+// cluster; calling these there traps.
+__device__ __forceinline__ int cluster_block_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return static_cast<int>(rank);
+#else
+  __trap();
+  return 0;
+#endif
+}
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::
+          : "memory");
+#else
+  __trap();
+#endif
+}
+template <typename T>
+__device__ __forceinline__ T* cluster_peer_address(T* pointer, int rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint64_t peer;
+  asm("mapa.u64 %0, %1, %2;\n" : "=l"(peer) : "l"(reinterpret_cast<uint64_t>(pointer)), "r"(rank));
+  return reinterpret_cast<T*>(peer);
+#else
+  __trap();
+  return pointer;
+#endif
+}
+
 // 2^x on the SFU (ex2.approx: 2 ulp, exp2(-inf) = +0).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

@@ -29,8 +29,13 @@ LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream)
 // graph stays valid as lengths grow. max_kv_len = block_table width * page size.
 int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int max_kv_len,
                             int head_dim, int num_sms);
-// Float workspace the decode needs for `num_splits` (0 when num_splits == 1).
-size_t paged_decode_workspace_floats(int num_splits, int num_tokens, int num_q_heads, int head_dim);
+// Whether the decode merges `num_splits` splits inside a thread-block cluster on the current
+// device: sm_90 or newer, and 2 splits (see paged_attention_dispatch.cu for why only 2).
+bool paged_decode_can_merge_in_cluster(int num_splits);
+// Float workspace the decode needs for `num_splits` (0 when num_splits == 1 or the splits merge in
+// a cluster).
+size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,
+                                     int num_q_heads, int head_dim);
 
 LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t stream);
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t stream);

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "launch.h"
@@ -107,9 +108,40 @@ int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int
   return best;
 }
 
-size_t paged_decode_workspace_floats(int num_splits, int num_tokens, int num_q_heads,
-                                     int head_dim) {
-  if (num_splits <= 1) return 0;
+// Clusters and programmatic dependent launch need sm_90. Every split decode launch asks, so the
+// answer is kept per device (0 not yet asked, 1 no, 2 yes).
+bool current_device_is_sm90_or_newer() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // static storage: zero-initialised
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device >= 0 && device < kMaxDevices) {
+    const int answer = known[device].load(std::memory_order_relaxed);
+    if (answer != 0) return answer == 2;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+    return false;
+  if (device >= 0 && device < kMaxDevices)
+    known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
+  return major >= 9;
+}
+
+// The kernel merges clusters of any size up to 8, but only pairs pay (H200, bf16, Hq=32 Hkv=8
+// D=128 page 16, benchmarks/sweep_decode_splits.py, us in cluster vs with the merge kernel):
+// 2 splits 39.0 vs 40.4 at B=16 L=2048, 67.6 vs 69.6 at L=4096, 249 vs 251 at B=64 L=4096;
+// 3, 4 or 8 splits were slower (B=16 L=2048: 47.6/51.9/63.0 vs 45.2/43.9/47.3; B=4 L=8192 with 8
+// splits: 56.6 vs 40.9), as larger clusters leave slots idle waiting for a whole cluster to fit.
+constexpr int kMaxSplitsMergedInCluster = 2;
+
+bool paged_decode_can_merge_in_cluster(int num_splits) {
+  return num_splits >= 2 && num_splits <= kMaxSplitsMergedInCluster &&
+         current_device_is_sm90_or_newer();
+}
+
+size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,
+                                     int num_q_heads, int head_dim) {
+  if (num_splits <= 1 || merge_in_cluster) return 0;
   return (size_t)num_splits * num_tokens * num_q_heads * (head_dim + 1);
 }
 
@@ -120,13 +152,17 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
   if (!status.ok()) return status;
   if (params.num_tokens != params.num_seqs) return {"decode needs one query token per sequence"};
   if (params.num_splits < 1 || params.num_splits > 65535) return {"num_splits out of range"};
-  if (params.num_splits > 1 && params.workspace == nullptr)
+  if (params.merge_in_cluster && !paged_decode_can_merge_in_cluster(params.num_splits))
+    return {"decode: merge_in_cluster needs sm_90 and 2 splits (got " +
+            std::to_string(params.num_splits) + ")"};
+  if (params.num_splits > 1 && !params.merge_in_cluster && params.workspace == nullptr)
     return {"decode with num_splits > 1 needs a workspace"};
   if (params.num_tokens == 0) return {};
   PagedKernelArgs args{};
   args.base = params;
   args.query_start_loc = nullptr;
   args.num_splits = params.num_splits;
+  args.merge_in_cluster = params.merge_in_cluster;
   const size_t rows = (size_t)params.num_splits * params.num_tokens * params.num_q_heads;
   args.partial_out = params.workspace;
   args.partial_lse =
@@ -147,6 +183,7 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t
   args.base = params;
   args.query_start_loc = params.query_start_loc;
   args.num_splits = 1;
+  args.merge_in_cluster = false;
   args.scale_log2 = params.scale * 1.4426950408889634f;
   const int group = params.num_q_heads / params.num_kv_heads;
   const int64_t rows = (int64_t)params.max_query_len * group;

@@ -16,14 +16,20 @@ struct PagedKernelArgs {
   PagedAttentionParams base;
   const int32_t* query_start_loc;  // [B + 1], null in decode (token b = sequence b)
   int num_splits;                  // decode: kv chunks per sequence (grid z)
+  bool merge_in_cluster;           // decode: the splits form a cluster and merge in it
   float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
   float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
   float scale_log2;                // scale * log2(e): softmax runs on exp2
 };
 
+// Whether the current device is sm_90 or newer (programmatic dependent launch, clusters); the
+// answer is kept per device.
+bool current_device_is_sm90_or_newer();
+
 // Launches the attention kernel for head dim D, element type T (__nv_bfloat16 or __half), decode or
 // prefill, over grid_rows packed query rows per (sequence, kv head); decode with num_splits > 1
-// also launches the merge kernel. Returns the launch error, if any.
+// launches it as clusters that merge their splits (merge_in_cluster) or also launches the merge
+// kernel. Returns the launch error, if any.
 template <int D, typename T, bool kDecode>
 LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream);
 

@@ -5,7 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -42,7 +41,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int tid = threadIdx.x;
   // Split decode: let the merge kernel (launched as a programmatic dependent, see below) be
   // scheduled now; it waits for this grid's results before reading them.
-  if (kDecode && args.num_splits > 1) allow_dependent_launch();
+  if (kDecode && args.num_splits > 1 && !args.merge_in_cluster) allow_dependent_launch();
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int seq = blockIdx.x / p.num_kv_heads;
@@ -63,6 +62,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   const int num_rows = q_len * group;
   const int row0 = row_tile * kBlockRows;
+  // (Never taken in decode, whose grid has ceil(group / 16) row tiles: a cluster's blocks must all
+  // reach its barriers.)
   if (row0 >= num_rows) return;
   const int first_pos = seq_len - q_len;  // kv position of new token 0
 
@@ -375,7 +376,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
     }
   } else {
-    // Merge the 4 warps' softmax states (each saw a quarter of every tile) through shared memory.
+    // Merge the softmax states of the 4 warps (each saw a quarter of every tile) through shared
+    // memory. With merge_in_cluster the num_splits blocks of this (sequence, kv head, row tile)
+    // form a thread-block cluster (sm_90) and merge all their warps' states at once, each block
+    // reading its peers' shared memory and writing a share of the rows to `out`: no workspace and
+    // no merge kernel. Otherwise a split block writes its normalized result and log2-sum-exp to the
+    // workspace for paged_decode_merge_kernel.
     __syncthreads();
     float* merge_o = reinterpret_cast<float*>(k_smem);  // [kWarps][16][kMergeRowStride]
     float* merge_m = merge_o + Traits::kWarps * 16 * Traits::kMergeRowStride;  // [kWarps][16]
@@ -393,34 +399,51 @@ __global__ void __launch_bounds__(Traits::kThreads)
         merge_l[warp * 16 + r] = row_sum[0][half];
       }
     }
-    __syncthreads();
+    const bool in_cluster = args.merge_in_cluster;
+    // Blocks whose states this block merges (itself, or the whole cluster), and its rank there.
+    int sources = 1, rank = 0;
+    if (in_cluster) {
+      sources = args.num_splits;
+      rank = cluster_block_rank();
+      cluster_barrier();  // every block's states are in its shared memory (release / acquire)
+    } else {
+      __syncthreads();
+    }
     const int num_tokens = p.num_tokens;
-    for (int item = tid; item < 16 * (D / 4); item += kThreads) {
+    for (int item = tid + rank * kThreads; item < 16 * (D / 4); item += sources * kThreads) {
       const int r = item / (D / 4);
       const int c = (item % (D / 4)) * 4;
       const int row = row0 + r;
       if (row >= num_rows) continue;
       float m = kNegInf;
+      for (int b = 0; b < sources; ++b) {
+        const float* block_m = in_cluster ? cluster_peer_address(merge_m, b) : merge_m;
 #pragma unroll
-      for (int w = 0; w < Traits::kWarps; ++w) m = fmaxf(m, merge_m[w * 16 + r]);
+        for (int w = 0; w < Traits::kWarps; ++w) m = fmaxf(m, block_m[w * 16 + r]);
+      }
       float l = 0.f;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       if (m != kNegInf) {
+        for (int b = 0; b < sources; ++b) {
+          const float* block_o = in_cluster ? cluster_peer_address(merge_o, b) : merge_o;
+          const float* block_m = in_cluster ? cluster_peer_address(merge_m, b) : merge_m;
+          const float* block_l = in_cluster ? cluster_peer_address(merge_l, b) : merge_l;
 #pragma unroll
-        for (int w = 0; w < Traits::kWarps; ++w) {
-          const float weight = exp2f(merge_m[w * 16 + r] - m);
-          l += merge_l[w * 16 + r] * weight;
-          const float4 o = *reinterpret_cast<const float4*>(
-              merge_o + (w * 16 + r) * Traits::kMergeRowStride + c);
-          acc.x += o.x * weight;
-          acc.y += o.y * weight;
-          acc.z += o.z * weight;
-          acc.w += o.w * weight;
+          for (int w = 0; w < Traits::kWarps; ++w) {
+            const float weight = exp2f(block_m[w * 16 + r] - m);
+            l += block_l[w * 16 + r] * weight;
+            const float4 o = *reinterpret_cast<const float4*>(
+                block_o + (w * 16 + r) * Traits::kMergeRowStride + c);
+            acc.x += o.x * weight;
+            acc.y += o.y * weight;
+            acc.z += o.z * weight;
+            acc.w += o.w * weight;
+          }
         }
       }
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const int head = kv_head * group + row;
-      if (args.num_splits == 1) {
+      if (args.num_splits == 1 || in_cluster) {
         T* dst = out + seq * p.out_stride_token + head * p.out_stride_head + c;
         uint2 packed;
         packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
@@ -433,26 +456,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
         if (c == 0) args.partial_lse[index] = l > 0.f ? m + log2f(l) : kNegInf;
       }
     }
+    // A block's shared memory must outlive its peers' reads of it.
+    if (in_cluster) cluster_barrier();
   }
-}
-
-// Programmatic dependent launch needs sm_90 (the current device's compute capability >= 9). Every
-// split decode launch asks, so the answer is kept per device (0 not yet asked, 1 no, 2 yes).
-inline bool device_has_programmatic_launch() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];  // static storage: zero-initialised
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (device >= 0 && device < kMaxDevices) {
-    const int answer = known[device].load(std::memory_order_relaxed);
-    if (answer != 0) return answer == 2;
-  }
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-    return false;
-  if (device >= 0 && device < kMaxDevices)
-    known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  return major >= 9;
 }
 
 inline LaunchStatus status_after_launch(const char* what) {
@@ -475,6 +481,26 @@ LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cud
   const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
   dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
             kDecode ? args.num_splits : 1);
+  if (kDecode && args.merge_in_cluster) {
+    // The num_splits blocks of a (sequence, kv head, row tile) are one cluster (grid z = splits).
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(Traits::kThreads);
+    config.dynamicSmemBytes = Traits::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = 1;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = static_cast<unsigned>(args.num_splits);
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, args);
+    if (launched != cudaSuccess)
+      return {std::string("paged_decode_kernel (cluster of ") + std::to_string(args.num_splits) +
+              " splits): " + cudaGetErrorString(launched)};
+    return status_after_launch("paged_decode_kernel");
+  }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   LaunchStatus status =
       status_after_launch(kDecode ? "paged_decode_kernel" : "paged_prefill_kernel");
@@ -491,7 +517,7 @@ LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cud
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  if (device_has_programmatic_launch()) {
+  if (current_device_is_sm90_or_newer()) {
     config.attrs = attribute;
     config.numAttrs = 1;
   }

@@ -84,10 +84,14 @@ struct PagedAttentionParams {
 // Split-KV (FlashDecoding): each sequence's kv range is cut into num_splits chunks, computed on the
 // device from the real seq_len, so one launch configuration (and one captured CUDA graph) serves
 // every length up to W * S. With num_splits > 1 the partial results go to the workspace and a merge
-// kernel writes `out`.
+// kernel writes `out`, unless
+// merge_in_cluster: then the splits of a (sequence, kv head) run as one thread-block cluster
+// (sm_90, see paged_decode_can_merge_in_cluster) and merge through distributed shared memory, with
+// no workspace and no second kernel.
 struct PagedDecodeParams : PagedAttentionParams {
-  int num_splits;    // from paged_decode_num_splits(); 1 = no workspace needed
-  float* workspace;  // paged_decode_workspace_floats() floats, or null when num_splits == 1
+  int num_splits;         // from paged_decode_num_splits(); 1 = no workspace needed
+  bool merge_in_cluster;  // only where paged_decode_can_merge_in_cluster(num_splits)
+  float* workspace;       // paged_decode_workspace_floats() floats, or null when none are needed
 };
 
 // Prefill: a ragged batch of new tokens per sequence.

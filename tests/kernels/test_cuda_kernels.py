@@ -201,6 +201,30 @@ def test_decode_long_sequence_uses_splits(dtype):
     assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
 
 
+@pytest.mark.parametrize("cluster_merge", ["1", "0"])
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 9, 32])
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 24), (256, 8)])
+def test_decode_every_split_count_merges_the_same(
+    head_dim, group, splits, cluster_merge, monkeypatch
+):
+    """A forced split count, merged inside a thread-block cluster (sm_90 and 2 splits, unless
+    ASTR_DECODE_CLUSTER_MERGE=0) or through the workspace and the merge kernel. Lengths 1 and 100
+    leave most splits empty; group 24 takes two row tiles, the second half empty; one sequence's
+    mask hides every key (zeros)."""
+    monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
+    monkeypatch.setenv("ASTR_DECODE_CLUSTER_MERGE", cluster_merge)
+    g = torch.Generator(device="cuda").manual_seed(300 + splits + head_dim)
+    lens = [1, 100, 2000, 5000]
+    batch = PagedBatch(lens, [1] * 4, 2 * group, 2, head_dim, 16, torch.bfloat16, generator=g)
+    mask = torch.rand(4, 5000, generator=g, device="cuda") > 0.2
+    mask[2] = False
+    for attn_mask in (None, mask):
+        out = run_decode(batch, attn_mask=attn_mask)
+        ref = reference(batch, batch.q, True, 1.0 / math.sqrt(head_dim), attn_mask)
+        assert_close(out, ref, torch.bfloat16)
+    assert (out[2] == 0).all()
+
+
 def test_decode_large_group_and_many_sequences():
     """Group of 32 q heads (two 16-row tiles) and a batch of 37 ragged sequences."""
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -331,9 +355,15 @@ def test_any_scale_sign(decode, scale):
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
-def test_decode_cuda_graph_replay_with_growing_lengths():
+@pytest.mark.parametrize("splits,cluster_merge", [(None, "1"), (4, "1"), (4, "0"), (24, "1")])
+def test_decode_cuda_graph_replay_with_growing_lengths(splits, cluster_merge, monkeypatch):
     """Capture one decode step, then replay it as the sequences grow: the split count and the
-    workspace come from shapes, the per-split chunk from the seq_lens read on the device."""
+    workspace come from shapes, the per-split chunk from the seq_lens read on the device. With the
+    heuristic's split count, and forced to 4 (merged in a cluster on sm_90, or by the merge kernel)
+    and to 24 (the merge kernel)."""
+    if splits is not None:
+        monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
+    monkeypatch.setenv("ASTR_DECODE_CLUSTER_MERGE", cluster_merge)
     g = torch.Generator(device="cuda").manual_seed(21)
     hq, hkv, d, page = 32, 8, 128, 16
     max_len = 4096
