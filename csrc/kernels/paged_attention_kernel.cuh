@@ -74,15 +74,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
     kv_end = min(kv_end, first_pos + last_token + 1);
   }
   if (p.attn_mask != nullptr) kv_end = min(kv_end, p.mask_kv_len);
-  int kv_begin = 0;
-  if constexpr (kDecode) {
-    // Chunk from the real length, so the split count (grid) can come from shapes alone.
-    const int per_split = (max(kv_end, 0) + args.num_splits - 1) / args.num_splits;
-    const int chunk = (per_split + kTileN - 1) / kTileN * kTileN;
-    kv_begin = split * chunk;
-    kv_end = min(kv_end, kv_begin + chunk);
-  }
-  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kTileN - 1) / kTileN : 0;
+  // Decode: split s takes tiles s, s + S, s + 2S, ... of the sequence (S = num_splits), so the
+  // splits stay balanced within a tile at every length (the grid comes from shapes alone) and a
+  // block's first tile is known before its seq_len arrives.
+  const int kv_begin = kDecode ? split * kTileN : 0;
+  const int tile_step = kDecode ? args.num_splits * kTileN : kTileN;
+  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + tile_step - 1) / tile_step : 0;
 
   // ---- global -> shared copies -------------------------------------------------------------
   const T* q_base = static_cast<const T*>(p.q);
@@ -116,6 +113,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
   source.log2_page_size = p.log2_page_size;
   source.kv_begin = kv_begin;
   source.kv_end = kv_end;
+  source.tile_step = tile_step;
+  source.lookup_end = kDecode
+                          ? static_cast<int>(min((int64_t)p.block_table_width << p.log2_page_size,
+                                                 (int64_t)INT32_MAX))
+                          : kv_end;
   KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
 
   // ---- per-warp state ----------------------------------------------------------------------
@@ -148,11 +150,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // ---- pipeline prologue ---------------------------------------------------------------------
   // Decode looks page ids up one tile ahead (into registers, consumed by the next issue), so the
   // block-table read latency hides behind a tile's compute: at page size 1 every row has its own
-  // lookup. Prefill (compute-bound, no registers to spare) looks up just before the copy.
+  // lookup. Its prologue issues every stage, empty or not: the first lookups then do not depend
+  // on seq_len (see KVTileSource::lookup_end) and both reads are in flight together. Prefill
+  // (compute-bound, no registers to spare) looks up just before the copy.
   load_q();  // committed with the first K/V step
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) {
+    if (kDecode || s < num_tiles) {
       loader.lookup(s);
       loader.issue(s, s);
     }
@@ -189,7 +193,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int stage = tile % kStages;
     const T* k_tile = k_smem + stage * kTileN * Traits::kRowStride;
     const T* v_tile = v_smem + stage * kTileN * Traits::kRowStride;
-    const int pos0 = kv_begin + tile * kTileN;
+    const int pos0 = kv_begin + tile * tile_step;
 
     // S = Q K^T for this warp's rows x kWarpTileN kv positions.
     float s_acc[kMRep][kWarpTileN / 8][4];
@@ -389,6 +393,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = lane_row + half * 8;
+      if (row0 + r >= num_rows) continue;  // rows padding the group to 16 are never read
       float* dst = merge_o + (warp * 16 + r) * Traits::kMergeRowStride + lane_col;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt)

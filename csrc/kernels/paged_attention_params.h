@@ -81,10 +81,10 @@ struct PagedAttentionParams {
 };
 
 // Decode: exactly one new token per sequence (T == B, token b belongs to sequence b).
-// Split-KV (FlashDecoding): each sequence's kv range is cut into num_splits chunks, computed on the
-// device from the real seq_len, so one launch configuration (and one captured CUDA graph) serves
-// every length up to W * S. With num_splits > 1 the partial results go to the workspace and a merge
-// kernel writes `out`, unless
+// Split-KV (FlashDecoding): each sequence's kv tiles are dealt out to num_splits blocks (split s
+// takes tiles s, s + num_splits, ...), which stay balanced at every seq_len read on the device, so
+// one launch configuration (and one captured CUDA graph) serves every length up to W * S. With
+// num_splits > 1 the partial results go to the workspace and a merge kernel writes `out`, unless
 // merge_in_cluster: then the splits of a (sequence, kv head) run as one thread-block cluster
 // (sm_90, see paged_decode_can_merge_in_cluster) and merge through distributed shared memory, with
 // no workspace and no second kernel.

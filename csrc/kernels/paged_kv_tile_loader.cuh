@@ -1,7 +1,8 @@
 // Copies K/V tiles of one (sequence, kv head) from the paged pool into the shared-memory stages of
 // the attention kernel, and waits for them:
 //
-//   lookup(tile)        read the page ids of the tile's rows into registers
+//   lookup(tile)        read the page ids of the tile's rows into registers (tile t of a block
+//                       starts at kv position kv_begin + t * tile_step)
 //   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
 //   commit()            close the copies issued so far as one pipeline step
 //   wait()              block until the oldest pending tile is in shared memory, visible to
@@ -35,6 +36,11 @@ struct KVTileSource {
   const int32_t* block_table;  // this sequence's row of the block table
   int log2_page_size;
   int kv_begin, kv_end;  // this block's kv range
+  int tile_step;         // kv positions from one of the block's tiles to the next
+  // lookup() reads page ids of positions below lookup_end only: kv_end, or for decode the block
+  // table's width in positions, so that the first lookups need not wait for seq_lens (page ids
+  // of positions past kv_end are read but never used).
+  int lookup_end;
 };
 
 template <typename Traits, typename T>
@@ -68,30 +74,31 @@ struct KVTileLoader {
   }
 
   __device__ __forceinline__ void lookup(int tile) {
-    const int pos0 = src.kv_begin + tile * kTileN + row0;
+    const int pos0 = src.kv_begin + tile * src.tile_step + row0;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int pos = pos0 + i * kRowsPerPass;
-      pages[i] = pos < src.kv_end ? src.block_table[pos >> src.log2_page_size] : 0;
+      pages[i] = pos < src.lookup_end ? src.block_table[pos >> src.log2_page_size] : 0;
     }
   }
 
   __device__ __forceinline__ void issue(int tile, int stage) {
-    const int pos0 = src.kv_begin + tile * kTileN + row0;
+    const int pos0 = src.kv_begin + tile * src.tile_step + row0;
     const int page_mask = (1 << src.log2_page_size) - 1;
     T* k_dst = k_smem + stage * kTileN * Traits::kRowStride;
     T* v_dst = v_smem + stage * kTileN * Traits::kRowStride;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int pos = pos0 + i * kRowsPerPass;
-      // Rows past kv_end read nothing (zero fill); their page id is 0, so the address is a plain
-      // pool address either way.
+      // Rows past kv_end read nothing (zero fill); page 0 keeps their address a plain pool
+      // address (their looked-up id may be anything).
       const bool valid = pos < src.kv_end;
+      const int page = valid ? pages[i] : 0;
       const int slot = pos & page_mask;
       const char* k_src =
-          k_thread + ((int64_t)pages[i] * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
+          k_thread + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
       const char* v_src =
-          v_thread + ((int64_t)pages[i] * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
+          v_thread + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
       const int offset = tile_offset<D, Traits::kSwizzle>(row0 + i * kRowsPerPass, chunk);
       cp_async_16(shared_address(k_dst + offset), k_src, valid);
       cp_async_16(shared_address(v_dst + offset), v_src, valid);
