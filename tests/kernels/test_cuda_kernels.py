@@ -274,6 +274,31 @@ def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group)
     assert_close(out, reference(batch, batch.q, is_causal, scale), dtype)
 
 
+def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence():
+    """Every (sequence, kv head, row tile) block of the grid is covered when the sequences have
+    very different numbers of row tiles: 11, 1, 0, 5 and 3, over prefixes from 0 to 1800."""
+    g = torch.Generator(device="cuda").manual_seed(17)
+    q_lens = [700, 1, 0, 300, 129]
+    lens = [700, 1000, 50, 2100, 129]
+    batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
+    scale = 1.0 / math.sqrt(128)
+    poison_next_allocation(batch.q.shape, torch.bfloat16)
+    out = attention_op(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        max(q_lens),
+        False,
+        None,
+        True,
+        scale,
+    )
+    assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
+
+
 def test_prefill_long_prompt_row_stride_and_zero_length():
     """Several row tiles, causal tiles skipped, q with a row stride (a slice of a fused qkv), and
     a sequence with no new tokens between two others."""
