@@ -3,7 +3,8 @@
 CUDA sources are compiled when torch has CUDA and nvcc is found; otherwise a CPU build.
 Environment:
   ASTR_FORCE_CPU=1        build without CUDA even where it is available
-  TORCH_CUDA_ARCH_LIST    archs to build (default: the local GPU, else "8.0;9.0")
+  TORCH_CUDA_ARCH_LIST    archs to build (default: the local GPU, else "8.0;9.0"); 9.0 is built
+                          as 9.0a (wgmma)
   MAX_JOBS, NVCC_THREADS  parallelism (honoured by torch's ninja build)
 """
 
@@ -24,6 +25,8 @@ def want_cuda() -> bool:
 
 
 def cuda_archs() -> str:
+    """The archs to build, with sm_90 built as sm_90a: Hopper's arch-specific target, the only one
+    with wgmma (the prefill kernel's multiply); its code runs on sm_90 devices, as sm_90's would."""
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if not archs:
         if torch.cuda.is_available():
@@ -31,7 +34,8 @@ def cuda_archs() -> str:
             archs = f"{major}.{minor}"
         else:
             archs = "8.0;9.0"
-        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    archs = ";".join("9.0a" if a == "9.0" else a for a in archs.replace(" ", ";").split(";") if a)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
     return archs
 
 
@@ -66,6 +70,8 @@ def extension():
             '"' + ",".join("sm_" + a.replace(".", "") for a in archs.split(";")) + '"',
         ),
     ]
+    if "9.0a" in archs.split(";"):
+        macros.append(("ASTR_WITH_SM90A", "1"))
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     threads = os.environ.get("NVCC_THREADS")
     if threads:

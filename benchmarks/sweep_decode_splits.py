@@ -1,9 +1,9 @@
 """Sweep the split-KV count of astrai's decode kernel (a tuning run, on the GPU).
 
-    ASTR_TUNE_DECODE=1 python3 benchmarks/sweep_decode_splits.py --out DIR
+    ASTR_TUNE_KERNELS=1 python3 benchmarks/sweep_decode_splits.py --out DIR
 
 For each shape, times the cuda backend's decode with every split count (forced through
-ASTR_DECODE_SPLITS, which the binding reads when ASTR_TUNE_DECODE is set) and with the built-in
+ASTR_DECODE_SPLITS, which the binding reads when ASTR_TUNE_KERNELS is set) and with the built-in
 heuristic, with bench_attention.py's timer (L2 flushed, CUDA events, medians), and checks each
 output against torch_native. Split counts above 1 are timed twice: with the in-cluster merge
 allowed (sm_90 uses it for 2 splits, see paged_attention_dispatch.cu) and with the merge kernel
@@ -43,8 +43,8 @@ def main() -> None:
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    if "ASTR_TUNE_DECODE" not in os.environ:
-        sys.exit("set ASTR_TUNE_DECODE=1 (the binding reads ASTR_DECODE_SPLITS only then)")
+    if "ASTR_TUNE_KERNELS" not in os.environ:
+        sys.exit("set ASTR_TUNE_KERNELS=1 (the binding reads ASTR_DECODE_SPLITS only then)")
     import astrai.extension  # noqa: F401  (loads the library)
 
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def main() -> None:
     lines = [
         "# Decode split-KV sweep (astrai cuda backend, bf16, Hq=32, Hkv=8, D=128, page 16)",
         "",
-        f"`ASTR_TUNE_DECODE=1 python3 benchmarks/sweep_decode_splits.py`; {env}",
+        f"`ASTR_TUNE_KERNELS=1 python3 benchmarks/sweep_decode_splits.py`; {env}",
         "",
         "| B | L | splits | merge | us | TB/s | rel L2 vs torch_native |",
         "|---|---|---|---|---|---|---|",

@@ -1,4 +1,5 @@
-"""Compiles every .cu file under csrc/ and benchmarks/ with nvcc for sm_80 and sm_90, without
+"""Compiles every .cu file under csrc/ and benchmarks/ with nvcc for sm_80 and sm_90a (sm_90 with
+Hopper's arch-specific instructions, as setup.py builds it), without
 linking: CI's proof that the CUDA code builds on a machine with no GPU (and with a CPU build of
 torch, whose headers suffice to compile the bindings)."""
 
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from torch.utils.cpp_extension import include_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARCHS = ("80", "90")
+ARCHS = ("80", "90a")
 
 
 def nvcc() -> str:
@@ -57,6 +58,7 @@ def compile_one(source: str, arch: str) -> tuple[str, int, str]:
         "-fPIC",
         f"-gencode=arch=compute_{arch},code=sm_{arch}",
         "-DASTR_WITH_CUDA=1",
+        *(["-DASTR_WITH_SM90A=1"] if arch == "90a" else []),
         "-I",
         sysconfig.get_paths()["include"],
     ]

@@ -1,11 +1,12 @@
 """A small run of every cuda-backend kernel (append, decode with split-KV, prefill with a mask),
 for `compute-sanitizer --tool memcheck`: ragged lengths that end mid-page, shuffled pages,
 GQA, and a block table wider than any sequence needs. Split decodes run twice: merged inside a
-thread-block cluster (sm_90) and by the merge kernel."""
+thread-block cluster (sm_90) and by the merge kernel; prefills twice: on wgmma (where it runs) and
+on mma.sync."""
 
 import os
 
-os.environ.setdefault("ASTR_TUNE_DECODE", "1")  # before the first decode: arms the merge switch
+os.environ.setdefault("ASTR_TUNE_KERNELS", "1")  # before the first call: arms the kernel switches
 
 import torch  # noqa: E402
 
@@ -30,9 +31,14 @@ def main() -> None:
         torch.ops.astr.append_kv(k_new, k_new, k_cache, v_cache, slots)
         q = torch.randn(tokens, q_heads, head_dim, device=device, dtype=dtype)
         mask = torch.rand(tokens, page_size * 3 + 1, device=device) > 0.3
-        prefill = torch.ops.astr.cuda_paged_attention(
-            q, k_cache, v_cache, block_table, seq_lens, starts, 4, False, mask, True, 0.1
-        )
+        prefills = []
+        for wgmma in ("1", "0"):
+            os.environ["ASTR_PREFILL_WGMMA"] = wgmma
+            prefills.append(
+                torch.ops.astr.cuda_paged_attention(
+                    q, k_cache, v_cache, block_table, seq_lens, starts, 4, False, mask, True, 0.1
+                )
+            )
         decodes = []
         for cluster_merge in ("1", "0"):
             os.environ["ASTR_DECODE_CLUSTER_MERGE"] = cluster_merge
@@ -52,7 +58,8 @@ def main() -> None:
                 )
             )
         torch.cuda.synchronize()
-        assert torch.isfinite(prefill).all() and all(torch.isfinite(d).all() for d in decodes)
+        assert all(torch.isfinite(x).all() for x in prefills + decodes)
+        assert torch.allclose(prefills[0].float(), prefills[1].float(), atol=2e-2)
         assert torch.allclose(decodes[0].float(), decodes[1].float(), atol=2e-2)
         print(f"head_dim {head_dim} page_size {page_size}: ok")
 

@@ -19,23 +19,31 @@
 namespace astrai::backends {
 namespace {
 
-// Tuning hooks for benchmarks/sweep_decode_splits.py and the split tests: with ASTR_TUNE_DECODE
-// set before the first decode call, ASTR_DECODE_SPLITS forces the decode split count and
-// ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster merge off (both read on every call).
-// Otherwise one branch on a static.
-bool decode_tuning() {
-  static const bool tuning = std::getenv("ASTR_TUNE_DECODE") != nullptr;
+// Tuning hooks for benchmarks/sweep_decode_splits.py, the A/B runs and the kernel tests: with
+// ASTR_TUNE_KERNELS set before the first call, ASTR_DECODE_SPLITS forces the decode split count,
+// ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster merge off, ASTR_PREFILL_WGMMA=0 keeps prefill
+// on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the head dim pays
+// (all read on every call). Otherwise one branch on a static.
+bool kernel_tuning() {
+  static const bool tuning = std::getenv("ASTR_TUNE_KERNELS") != nullptr;
   return tuning;
 }
+bool tuning_switch_is_off(const char* name) {
+  if (!kernel_tuning()) return false;
+  const char* value = std::getenv(name);
+  return value != nullptr && std::string(value) == "0";
+}
+kernels::PrefillKernel prefill_kernel_override() {
+  if (!kernel_tuning()) return kernels::PrefillKernel::kAuto;
+  const char* value = std::getenv("ASTR_PREFILL_WGMMA");
+  if (value == nullptr) return kernels::PrefillKernel::kAuto;
+  return std::string(value) == "0" ? kernels::PrefillKernel::kMmaSync
+                                   : kernels::PrefillKernel::kWgmma;
+}
 int decode_split_count_override() {
-  if (!decode_tuning()) return 0;
+  if (!kernel_tuning()) return 0;
   const char* value = std::getenv("ASTR_DECODE_SPLITS");
   return value == nullptr ? 0 : std::max(0, std::min(std::atoi(value), 65535));
-}
-bool decode_cluster_merge_disabled() {
-  if (!decode_tuning()) return false;
-  const char* value = std::getenv("ASTR_DECODE_CLUSTER_MERGE");
-  return value != nullptr && std::string(value) == "0";
 }
 
 using kernels::ScalarType;
@@ -207,7 +215,7 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                          static_cast<int>(max_kv_len), base.head_dim, num_sms);
     if (const int forced = decode_split_count_override(); forced > 0) params.num_splits = forced;
     params.merge_in_cluster = kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
-                              !decode_cluster_merge_disabled();
+                              !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
     // Size from shapes only (split count, T, Hq, D), never from seq_lens' values.
     const size_t workspace_floats =
         kernels::paged_decode_workspace_floats(params.num_splits, params.merge_in_cluster,
@@ -224,6 +232,7 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     static_cast<kernels::PagedAttentionParams&>(params) = base;
     params.query_start_loc = query_start_loc.data_ptr<int32_t>();
     params.max_query_len = static_cast<int>(std::min<int64_t>(max_query_len, INT32_MAX));
+    params.kernel = prefill_kernel_override();
     status = kernels::launch_paged_prefill(params, stream);
   }
   ASTR_CHECK(status.ok(), "cuda_paged_attention: ", status.error);

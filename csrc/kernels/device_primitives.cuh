@@ -150,4 +150,14 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
   return row * (kHeadDim + 8) + chunk * 8;
 }
 
+// Hopper's 128-byte swizzle (the layout wgmma reads, wgmma_primitives.cuh): a tile of kRows rows
+// x D 16-bit elements stored as D / 64 column blocks, each kRows rows of exactly 128 bytes, with
+// 16-byte chunk c of a row at position c ^ (row % 8) inside it (address bits 4-6 XOR bits 7-9:
+// each column block must start on a 1024-byte boundary). Eight rows make a 1024-byte atom, and
+// the 8 rows an ldmatrix or a wgmma reads at one column land in 8 distinct bank groups.
+template <int kRows>
+__device__ __forceinline__ int swizzled_128b_tile_offset(int row, int chunk) {
+  return (chunk / 8) * kRows * 64 + row * 64 + (((chunk % 8) ^ (row % 8)) * 8);
+}
+
 }  // namespace astrai::kernels

@@ -37,6 +37,10 @@ bool paged_decode_can_merge_in_cluster(int num_splits);
 size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,
                                      int num_q_heads, int head_dim);
 
+// Whether the wgmma prefill kernel (D = 64 or 128) can run here: a library built for sm_90a, on
+// an sm_90 device. Otherwise prefill runs the mma.sync kernel (sm_80 and newer).
+bool paged_prefill_wgmma_runs_here();
+
 LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t stream);
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t stream);
 

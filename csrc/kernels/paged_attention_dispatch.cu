@@ -108,23 +108,37 @@ int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int
   return best;
 }
 
-// Clusters and programmatic dependent launch need sm_90. Every split decode launch asks, so the
-// answer is kept per device (0 not yet asked, 1 no, 2 yes).
-bool current_device_is_sm90_or_newer() {
+// Clusters, programmatic dependent launch and the wgmma prefill depend on the arch, and every
+// split decode and prefill launch asks, so the answer is kept per device (0 = not yet asked).
+int current_device_arch() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // static storage: zero-initialised
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
   if (device >= 0 && device < kMaxDevices) {
     const int answer = known[device].load(std::memory_order_relaxed);
-    if (answer != 0) return answer == 2;
+    if (answer != 0) return answer;
   }
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-    return false;
-  if (device >= 0 && device < kMaxDevices)
-    known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  return major >= 9;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+    return 0;
+  const int arch = major * 10 + minor;
+  if (device >= 0 && device < kMaxDevices) known[device].store(arch, std::memory_order_relaxed);
+  return arch;
+}
+
+// Where the wgmma prefill beats the mma.sync one (H200, causal bf16, bench_attention.py --quick,
+// TFLOP/s wgmma vs mma.sync): D = 128 everywhere, 1.06-1.41x (B=2 S=4096 GQA 333 vs 297, ragged
+// batch 339 vs 287); D = 64 not yet (B=4 S=4096: 242 vs 259, 239 vs 252).
+constexpr bool wgmma_pays_for_head_dim(int head_dim) { return head_dim == 128; }
+
+bool paged_prefill_wgmma_runs_here() {
+#if defined(ASTR_WITH_SM90A)
+  return current_device_arch() == 90;  // sm_90a code runs on sm_90 only
+#else
+  return false;
+#endif
 }
 
 // The kernel merges clusters of any size up to 8, but only pairs pay (H200, bf16, Hq=32 Hkv=8
@@ -188,7 +202,21 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t
   const int group = params.num_q_heads / params.num_kv_heads;
   const int64_t rows = (int64_t)params.max_query_len * group;
   if (rows > INT32_MAX) return {"max_query_len * group size too large"};
-  return run_for_head_dim<false>(args, static_cast<int>(rows), stream);
+  const int grid_rows = static_cast<int>(rows);
+  const int D = params.head_dim;
+  const bool bf16 = params.dtype == ScalarType::kBFloat16;
+  const bool fp16 = params.dtype == ScalarType::kFloat16;
+  const bool wgmma_fits = (D == 64 || D == 128) && (bf16 || fp16);
+  const bool wgmma_chosen = params.kernel == PrefillKernel::kWgmma ||
+                            (params.kernel == PrefillKernel::kAuto && wgmma_pays_for_head_dim(D));
+  if (wgmma_fits && wgmma_chosen && paged_prefill_wgmma_runs_here()) {
+    if (D == 64)
+      return bf16 ? run_paged_prefill_wgmma<64, __nv_bfloat16>(args, grid_rows, stream)
+                  : run_paged_prefill_wgmma<64, __half>(args, grid_rows, stream);
+    return bf16 ? run_paged_prefill_wgmma<128, __nv_bfloat16>(args, grid_rows, stream)
+                : run_paged_prefill_wgmma<128, __half>(args, grid_rows, stream);
+  }
+  return run_for_head_dim<false>(args, grid_rows, stream);
 }
 
 }  // namespace astrai::kernels

@@ -22,9 +22,11 @@ struct PagedKernelArgs {
   float scale_log2;                // scale * log2(e): softmax runs on exp2
 };
 
-// Whether the current device is sm_90 or newer (programmatic dependent launch, clusters); the
+// The current device's compute capability as major * 10 + minor (0 when it cannot be read); the
 // answer is kept per device.
-bool current_device_is_sm90_or_newer();
+int current_device_arch();
+// sm_90 or newer: programmatic dependent launch, clusters.
+inline bool current_device_is_sm90_or_newer() { return current_device_arch() >= 90; }
 
 // Launches the attention kernel for head dim D, element type T (__nv_bfloat16 or __half), decode or
 // prefill, over grid_rows packed query rows per (sequence, kv head); decode with num_splits > 1
@@ -32,5 +34,11 @@ bool current_device_is_sm90_or_newer();
 // kernel. Returns the launch error, if any.
 template <int D, typename T, bool kDecode>
 LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream);
+
+// The prefill kernel on wgmma (paged_prefill_wgmma_kernel.cuh), D = 64 or 128. Runs only on
+// sm_90 (exactly: sm_90a code) in a library built for sm_90a; see paged_prefill_wgmma_runs_here.
+template <int D, typename T>
+LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, int grid_rows,
+                                     cudaStream_t stream);
 
 }  // namespace astrai::kernels

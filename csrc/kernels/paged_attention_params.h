@@ -94,10 +94,16 @@ struct PagedDecodeParams : PagedAttentionParams {
   float* workspace;       // paged_decode_workspace_floats() floats, or null when none are needed
 };
 
+// Which prefill kernel runs: kAuto picks (wgmma where it runs and pays, see
+// paged_attention_dispatch.cu); kWgmma takes wgmma wherever it runs (sm_90, D = 64 or 128);
+// kMmaSync never does. Tests and A/B runs force the last two.
+enum class PrefillKernel : int { kAuto = 0, kWgmma = 1, kMmaSync = 2 };
+
 // Prefill: a ragged batch of new tokens per sequence.
 struct PagedPrefillParams : PagedAttentionParams {
   const int32_t* query_start_loc;  // [B + 1] int32 prefix sums of new-token counts
   int max_query_len;               // host upper bound of new tokens per sequence (sizes the grid)
+  PrefillKernel kernel = PrefillKernel::kAuto;
 };
 
 }  // namespace astrai::kernels

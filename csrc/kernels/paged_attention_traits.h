@@ -24,7 +24,8 @@
 // paged_attention_kernel.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
 // bytes), an XOR swizzle instead of row padding (one address register per fragment, spills;
 // measured again with the decode swizzle: 298 -> 295 TFLOP/s at B=2 S=4096, 96 bytes of spills).
-// Beyond this needs Hopper wgmma (operands straight from shared memory), not done yet.
+// On sm_90 prefill at D = 128 runs paged_prefill_wgmma_kernel.cuh instead (Hopper's wgmma,
+// operands straight from shared memory); these traits are its fallback and the sm_80 kernel.
 #pragma once
 
 namespace astrai::kernels {
@@ -58,7 +59,9 @@ struct PagedAttentionTraits {
   static constexpr bool kSwizzle = kDecode;
   static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;
   static constexpr int kQSmemElements = kBlockRows * kRowStride;
-  static constexpr int kKVSmemElements = kStages * kTileN * kRowStride;  // per K and per V
+  static constexpr bool kWgmmaTiles = false;  // K/V tile layout (paged_kv_tile_loader.cuh)
+  static constexpr int kTileElements = kTileN * kRowStride;
+  static constexpr int kKVSmemElements = kStages * kTileElements;  // per K and per V
   static constexpr int kSmemBytes = (kQSmemElements + 2 * kKVSmemElements) * 2;
 
   // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads

@@ -12,7 +12,8 @@
 // page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
 // launcher), the head and column part once. Rows past kv_end are zero-filled (their scores are
 // masked, but P V multiplies them by 0 and 0 * NaN would be NaN). Shared rows follow the traits'
-// layout (Traits::kSwizzle, Traits::kRowStride; see tile_offset in device_primitives.cuh).
+// layout: Traits::kWgmmaTiles (swizzled_128b_tile_offset, for wgmma), else Traits::kSwizzle and
+// Traits::kRowStride (tile_offset); both in device_primitives.cuh.
 //
 // Measured alternative (benchmarks/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
 // completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower.
@@ -85,8 +86,8 @@ struct KVTileLoader {
   __device__ __forceinline__ void issue(int tile, int stage) {
     const int pos0 = src.kv_begin + tile * src.tile_step + row0;
     const int page_mask = (1 << src.log2_page_size) - 1;
-    T* k_dst = k_smem + stage * kTileN * Traits::kRowStride;
-    T* v_dst = v_smem + stage * kTileN * Traits::kRowStride;
+    T* k_dst = k_smem + stage * Traits::kTileElements;
+    T* v_dst = v_smem + stage * Traits::kTileElements;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int pos = pos0 + i * kRowsPerPass;
@@ -99,7 +100,12 @@ struct KVTileLoader {
           k_thread + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
       const char* v_src =
           v_thread + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
-      const int offset = tile_offset<D, Traits::kSwizzle>(row0 + i * kRowsPerPass, chunk);
+      const int row = row0 + i * kRowsPerPass;
+      int offset;
+      if constexpr (Traits::kWgmmaTiles)
+        offset = swizzled_128b_tile_offset<kTileN>(row, chunk);
+      else
+        offset = tile_offset<D, Traits::kSwizzle>(row, chunk);
       cp_async_16(shared_address(k_dst + offset), k_src, valid);
       cp_async_16(shared_address(v_dst + offset), v_src, valid);
     }

@@ -245,11 +245,20 @@ def test_decode_with_mask_and_empty_rows():
     assert (out[1] == 0).all()
 
 
+@pytest.fixture(params=["wgmma", "mma_sync"])
+def prefill_kernel(request, monkeypatch):
+    """Prefill tests run on both prefill kernels, forced with ASTR_PREFILL_WGMMA (read per call;
+    conftest.py arms the hooks): wgmma wherever it runs (an sm_90 GPU, a library built for
+    sm_90a, D = 64 or 128; elsewhere this case runs mma.sync again) and mma.sync."""
+    monkeypatch.setenv("ASTR_PREFILL_WGMMA", "1" if request.param == "wgmma" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("page_size,group", [(1, 4), (16, 1), (64, 4), (256, 8)])
-def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group):
+def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group, prefill_kernel):
     g = torch.Generator(device="cuda").manual_seed(head_dim * 7 + page_size + group + is_causal)
     q_lens = [1, int(torch.randint(2, 300, (1,), generator=g, device="cuda")), 77]
     prefix = [int(x) for x in torch.randint(0, 1200, (3,), generator=g, device="cuda")]
@@ -274,7 +283,7 @@ def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group)
     assert_close(out, reference(batch, batch.q, is_causal, scale), dtype)
 
 
-def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence():
+def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence(prefill_kernel):
     """Every (sequence, kv head, row tile) block of the grid is covered when the sequences have
     very different numbers of row tiles: 11, 1, 0, 5 and 3, over prefixes from 0 to 1800."""
     g = torch.Generator(device="cuda").manual_seed(17)
@@ -299,7 +308,7 @@ def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence():
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
-def test_prefill_long_prompt_row_stride_and_zero_length():
+def test_prefill_long_prompt_row_stride_and_zero_length(prefill_kernel):
     """Several row tiles, causal tiles skipped, q with a row stride (a slice of a fused qkv), and
     a sequence with no new tokens between two others."""
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -327,7 +336,7 @@ def test_prefill_long_prompt_row_stride_and_zero_length():
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
-def test_prefill_bool_mask(is_causal):
+def test_prefill_bool_mask(is_causal, prefill_kernel):
     g = torch.Generator(device="cuda").manual_seed(5 + is_causal)
     q_lens = [50, 130]
     lens = [300, 130]
@@ -355,7 +364,7 @@ def test_prefill_bool_mask(is_causal):
 
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("scale", [-0.2, 0.0, 0.9])
-def test_any_scale_sign(decode, scale):
+def test_any_scale_sign(decode, scale, prefill_kernel):
     """A positive scale is folded into the exponent, any other is applied to the scores first:
     both softmax paths match the reference (a zero scale is uniform attention), with split-KV
     decode over several chunks and causal prefill over several tiles."""

@@ -1,0 +1,325 @@
+// Paged prefill on Hopper's warpgroup multiply (wgmma, sm_90a) and its launcher. Included only by
+// paged_prefill_wgmma_hdim*.cu; the host picks it over paged_attention_kernel.cuh's mma.sync
+// prefill on sm_90 when the library was built for sm_90a (paged_attention_dispatch.cu).
+//
+// Same work split and semantics as the mma.sync prefill (paged_attention_traits.h): a block owns
+// kBlockRows packed query rows (new token, q head of the GQA group) of one (sequence, kv head) and
+// walks its kv tiles (causal tiles past the block's last token skipped) with the online softmax of
+// FlashAttention-2. What changes is the multiply: two warpgroups of 4 warps each own 64 rows, and
+// S = Q K^T takes Q and K straight from shared memory (no ldmatrix, no shared-memory traffic
+// through registers), O += P V takes P from the S accumulators (registers) and V from shared
+// memory. Q, K and V tiles are in the 128-byte swizzled layout the descriptors describe
+// (wgmma_primitives.cuh); K/V come in through the same paged cp.async loader as the other kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "device_primitives.cuh"
+#include "launch.h"
+#include "paged_attention_instantiations.h"
+#include "paged_attention_params.h"
+#include "paged_kv_tile_loader.cuh"
+#include "wgmma_primitives.cuh"
+
+namespace astrai::kernels {
+
+template <int kHeadDim_>
+struct PrefillWgmmaTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kDecode = false;
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kThreads = kWarpGroups * 128;
+  static constexpr int kBlockRows = kWarpGroups * 64;  // 64 rows per warpgroup (wgmma's M)
+  static constexpr int kTileN = 128;                   // kv positions per tile (S's N)
+  static constexpr int kStages = 2;
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr bool kWgmmaTiles = true;
+  static constexpr int kTileElements = kTileN * kHeadDim;
+  static constexpr int kQElements = kBlockRows * kHeadDim;
+  // + 1024: the tiles start on the first 1024-byte boundary of the dynamic shared memory.
+  static constexpr int kSmemBytes = (kQElements + 2 * kStages * kTileElements) * 2 + 1024;
+  static_assert(kHeadDim % 64 == 0, "column blocks of 64 elements");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    paged_prefill_wgmma_kernel(const __grid_constant__ PagedKernelArgs args) {
+#if defined(ASTRAI_HAS_WGMMA)
+  constexpr int D = Traits::kHeadDim;
+  constexpr int kChunks = Traits::kChunksPerRow;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kTileN = Traits::kTileN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kBlockRows = Traits::kBlockRows;
+  constexpr float kNegInf = -INFINITY;
+
+  const PagedAttentionParams& p = args.base;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+  T* q_smem = reinterpret_cast<T*>(smem);
+  T* k_smem = q_smem + Traits::kQElements;
+  T* v_smem = k_smem + kStages * Traits::kTileElements;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int warpgroup = warp / 4;
+  const int seq = blockIdx.x / p.num_kv_heads;
+  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int row_tile = gridDim.y - 1 - blockIdx.y;  // heavy (late, causal) row tiles first
+
+  const int seq_len = p.seq_lens[seq];
+  const int q_start = args.query_start_loc[seq];
+  const int q_len = args.query_start_loc[seq + 1] - q_start;
+  const int num_rows = q_len * group;
+  const int row0 = row_tile * kBlockRows;
+  if (row0 >= num_rows) return;
+  const int first_pos = seq_len - q_len;  // kv position of new token 0
+
+  int kv_end = seq_len;
+  if (p.is_causal) {
+    const int last_token = (min(row0 + kBlockRows, num_rows) - 1) / group;
+    kv_end = min(kv_end, first_pos + last_token + 1);
+  }
+  if (p.attn_mask != nullptr) kv_end = min(kv_end, p.mask_kv_len);
+  const int num_tiles = kv_end > 0 ? (kv_end + kTileN - 1) / kTileN : 0;
+
+  // ---- global -> shared copies -------------------------------------------------------------
+  const T* q_base = static_cast<const T*>(p.q);
+  auto load_q = [&]() {
+#pragma unroll
+    for (int i = 0; i < kBlockRows * kChunks / kThreads; ++i) {
+      const int c = tid + i * kThreads;
+      const int r = c / kChunks, ch = c % kChunks;
+      const int row = row0 + r;
+      const bool valid = row < num_rows;
+      const T* src = q_base;
+      if (valid) {
+        const int token = q_start + row / group;
+        const int head = kv_head * group + row % group;
+        src = q_base + token * p.q_stride_token + head * p.q_stride_head + ch * 8;
+      }
+      cp_async_16(shared_address(q_smem + swizzled_128b_tile_offset<kBlockRows>(r, ch)), src,
+                  valid);
+    }
+  };
+  KVTileSource source;
+  source.k_head =
+      static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(T);
+  source.v_head =
+      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(T);
+  source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(T));
+  source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(T));
+  source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(T));
+  source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(T));
+  source.block_table = p.block_table + seq * p.block_table_stride;
+  source.log2_page_size = p.log2_page_size;
+  source.kv_begin = 0;
+  source.kv_end = kv_end;
+  source.tile_step = kTileN;
+  source.lookup_end = kv_end;
+  KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
+
+  // ---- per-thread state: rows 16 * warp + lane / 4 (+ 8) of the block -------------------------
+  const int lane_row = lane / 4;
+  const int lane_col = (lane % 4) * 2;
+  float o_acc[D / 2];  // register 4 dt + e: column 8 dt + lane_col + e % 2 of row half e / 2
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o_acc[i] = 0.f;
+  float row_max[2] = {kNegInf, kNegInf};
+  float row_sum[2] = {0.f, 0.f};
+
+  load_q();  // committed with the first K/V step
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) {
+      loader.lookup(s);
+      loader.issue(s, s);
+    }
+    loader.commit();
+  }
+
+  const float scale_log2 = args.scale_log2;
+  const bool fold_scale = scale_log2 > 0.f;  // as in paged_attention_kernel.cuh
+  const float exp_scale = fold_scale ? scale_log2 : 1.f;
+  const bool* mask = p.attn_mask;
+  // This warpgroup's 64 rows of the Q tile: 64 rows x 128 bytes into each column block.
+  const uint32_t q_rows = shared_address(q_smem) + warpgroup * 64 * 128;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int next = tile + kStages - 1;
+    if (next < num_tiles) {
+      loader.lookup(next);
+      loader.issue(next, next % kStages);
+    }
+    loader.commit();
+    cp_async_wait<kStages - 1>();
+    fence_shared_for_async_proxy();
+    __syncthreads();
+
+    const int stage = tile % kStages;
+    const uint32_t k_tile = shared_address(k_smem + stage * Traits::kTileElements);
+    const uint32_t v_tile = shared_address(v_smem + stage * Traits::kTileElements);
+    const int pos0 = tile * kTileN;
+
+    // S = Q K^T: 64 rows x kTileN kv positions per warpgroup, k = D in steps of 16.
+    float s_acc[kTileN / 2];
+#pragma unroll
+    for (int i = 0; i < kTileN / 2; ++i) s_acc[i] = 0.f;
+    pin_registers(s_acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t k_bytes = (ks % 4) * 32;  // k16 slice inside the 128-byte rows
+      const uint64_t desc_q =
+          swizzled_descriptor(q_rows + (ks / 4) * kBlockRows * 128 + k_bytes, 16, 1024);
+      const uint64_t desc_k =
+          swizzled_descriptor(k_tile + (ks / 4) * kTileN * 128 + k_bytes, 16, 1024);
+      WgmmaM64<T, kTileN>::both_from_shared(s_acc, desc_q, desc_k, ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(s_acc);
+
+    if (!fold_scale) {
+#pragma unroll
+      for (int i = 0; i < kTileN / 2; ++i) s_acc[i] *= scale_log2;
+    }
+    const bool needs_mask = mask != nullptr || pos0 + kTileN > kv_end ||
+                            (p.is_causal && pos0 + kTileN - 1 > first_pos + row0 / group);
+    if (needs_mask) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = row0 + warp * 16 + lane_row + half * 8;
+        const int token = min(row, max(num_rows - 1, 0)) / group;
+        const int causal_end = p.is_causal ? first_pos + token + 1 : kv_end;
+        const int limit = min(kv_end, causal_end);
+        const bool* mask_row =
+            mask != nullptr ? mask + (int64_t)(q_start + token) * p.mask_stride_token : nullptr;
+#pragma unroll
+        for (int nt = 0; nt < kTileN / 8; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int pos = pos0 + nt * 8 + lane_col + e;
+            bool keep = pos < limit;
+            if (mask_row != nullptr && keep) keep = mask_row[pos];
+            if (!keep) s_acc[nt * 4 + half * 2 + e] = kNegInf;
+          }
+        }
+      }
+    }
+
+    // Online softmax, as in paged_attention_kernel.cuh (see there for alpha = 1 and base).
+    float alpha[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = kNegInf;
+#pragma unroll
+      for (int nt = 0; nt < kTileN / 8; ++nt)
+        tile_max = fmaxf(tile_max, fmaxf(s_acc[nt * 4 + half * 2], s_acc[nt * 4 + half * 2 + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max[half], tile_max);
+      const float base = (new_max == kNegInf ? 0.f : new_max) * exp_scale;
+      alpha[half] = new_max == row_max[half] ? 1.f : fast_exp2(row_max[half] * exp_scale - base);
+      row_max[half] = new_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kTileN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& score = s_acc[nt * 4 + half * 2 + e];
+          score = fast_exp2(fmaf(score, exp_scale, -base));
+          sum += score;
+        }
+      }
+      row_sum[half] = row_sum[half] * alpha[half] + sum;
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
+
+    // O += P V: two adjacent n8 blocks of S are the A operand of one k16 step.
+    uint32_t p_frag[kTileN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kTileN / 16; ++kk) {
+      p_frag[kk][0] = pack_pair<T>(s_acc[8 * kk + 0], s_acc[8 * kk + 1]);
+      p_frag[kk][1] = pack_pair<T>(s_acc[8 * kk + 2], s_acc[8 * kk + 3]);
+      p_frag[kk][2] = pack_pair<T>(s_acc[8 * kk + 4], s_acc[8 * kk + 5]);
+      p_frag[kk][3] = pack_pair<T>(s_acc[8 * kk + 6], s_acc[8 * kk + 7]);
+    }
+    pin_registers(o_acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTileN / 16; ++kk) {
+      // k = kv rows 16 kk .. 16 kk + 15: two 8-row atoms; n = d across the column blocks.
+      const uint64_t desc_v = swizzled_descriptor(v_tile + kk * 16 * 128, kTileN * 128, 1024);
+      WgmmaM64<T, D>::a_from_registers(o_acc, p_frag[kk], desc_v, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(o_acc);
+#pragma unroll
+    for (int kk = 0; kk < kTileN / 16; ++kk) pin_registers(p_frag[kk]);
+    __syncthreads();  // the next iteration's copy overwrites this stage
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float s = row_sum[half];
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    row_sum[half] = s;
+  }
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + warp * 16 + lane_row + half * 8;
+    if (row >= num_rows) continue;
+    const int token = q_start + row / group;
+    const int head = kv_head * group + row % group;
+    const float inv = row_sum[half] > 0.f ? 1.f / row_sum[half] : 0.f;
+    T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+          pack_pair<T>(o_acc[dt * 4 + half * 2] * inv, o_acc[dt * 4 + half * 2 + 1] * inv);
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (paged_prefill_wgmma_built)
+#endif
+}
+
+template <int D, typename T>
+LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, int grid_rows,
+                                     cudaStream_t stream) {
+  using Traits = PrefillWgmmaTraits<D>;
+  auto kernel = paged_prefill_wgmma_kernel<Traits, T>;
+  cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  if (error != cudaSuccess)
+    return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
+  const int64_t row_tiles = (grid_rows + Traits::kBlockRows - 1) / Traits::kBlockRows;
+  if (row_tiles > 65535) return {"paged attention: too many query rows for one launch"};
+  const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
+  dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles), 1);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
+  const cudaError_t launched = cudaGetLastError();
+  if (launched != cudaSuccess)
+    return {std::string("paged_prefill_wgmma_kernel: ") + cudaGetErrorString(launched)};
+  return {};
+}
+
+#define ASTRAI_INSTANTIATE_PAGED_PREFILL_WGMMA(D)                                              \
+  template LaunchStatus run_paged_prefill_wgmma<D, __nv_bfloat16>(const PagedKernelArgs&, int, \
+                                                                  cudaStream_t);               \
+  template LaunchStatus run_paged_prefill_wgmma<D, __half>(const PagedKernelArgs&, int,        \
+                                                           cudaStream_t);
+
+}  // namespace astrai::kernels
