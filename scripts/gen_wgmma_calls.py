@@ -13,7 +13,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "csrc" / "kernels" / "wgmma_calls.inc"
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
-WIDTHS = (64, 128)
+WIDTHS = (64, 96, 128)
 
 
 def operand_list(count: int, start: int = 0) -> str:

@@ -10,6 +10,14 @@
 // through registers), O += P V takes P from the S accumulators (registers) and V from shared
 // memory. Q, K and V tiles are in the 128-byte swizzled layout the descriptors describe
 // (wgmma_primitives.cuh); K/V come in through the same paged cp.async loader as the other kernels.
+//
+// The multiplies run asynchronously, so the loop is a software pipeline: the scores of tile t + 1
+// are multiplied while the threads run the softmax of tile t, then O += P V of tile t (3 stages:
+// tile t in use, t + 1 landed, t + 2 in flight). That needs two score tiles in registers next to
+// O; with 96-wide kv tiles they fit in 254 registers without spills (128-wide: 192 bytes of
+// spills). H200, causal bf16, bench_attention.py --quick, geomean over the D = 128 rows against
+// the mma.sync kernel: no overlap with 128-wide tiles and 2 stages 1.147x, overlap with 128-wide
+// tiles 1.136x, overlap with 96-wide tiles 1.183x (this kernel).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,8 +42,8 @@ struct PrefillWgmmaTraits {
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = kWarpGroups * 128;
   static constexpr int kBlockRows = kWarpGroups * 64;  // 64 rows per warpgroup (wgmma's M)
-  static constexpr int kTileN = 128;                   // kv positions per tile (S's N)
-  static constexpr int kStages = 2;
+  static constexpr int kTileN = 96;                    // kv positions per tile (S's N), see top
+  static constexpr int kStages = 3;  // tile t in use, t + 1 landed, t + 2 in flight
   static constexpr int kChunksPerRow = kHeadDim / 8;
   static constexpr bool kWgmmaTiles = true;
   static constexpr int kTileElements = kTileN * kHeadDim;
@@ -152,27 +160,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // This warpgroup's 64 rows of the Q tile: 64 rows x 128 bytes into each column block.
   const uint32_t q_rows = shared_address(q_smem) + warpgroup * 64 * 128;
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int next = tile + kStages - 1;
-    if (next < num_tiles) {
-      loader.lookup(next);
-      loader.issue(next, next % kStages);
-    }
-    loader.commit();
-    cp_async_wait<kStages - 1>();
-    fence_shared_for_async_proxy();
-    __syncthreads();
-
-    const int stage = tile % kStages;
+  // S = Q K^T of one tile, issued (committed as one wgmma group), not waited for.
+  auto issue_scores = [&](float (&s)[kTileN / 2], int stage) {
     const uint32_t k_tile = shared_address(k_smem + stage * Traits::kTileElements);
-    const uint32_t v_tile = shared_address(v_smem + stage * Traits::kTileElements);
-    const int pos0 = tile * kTileN;
-
-    // S = Q K^T: 64 rows x kTileN kv positions per warpgroup, k = D in steps of 16.
-    float s_acc[kTileN / 2];
-#pragma unroll
-    for (int i = 0; i < kTileN / 2; ++i) s_acc[i] = 0.f;
-    pin_registers(s_acc);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -181,12 +171,41 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           swizzled_descriptor(q_rows + (ks / 4) * kBlockRows * 128 + k_bytes, 16, 1024);
       const uint64_t desc_k =
           swizzled_descriptor(k_tile + (ks / 4) * kTileN * 128 + k_bytes, 16, 1024);
-      WgmmaM64<T, kTileN>::both_from_shared(s_acc, desc_q, desc_k, ks > 0 ? 1 : 0);
+      WgmmaM64<T, kTileN>::both_from_shared(s, desc_q, desc_k, ks > 0 ? 1 : 0);
     }
     wgmma_commit();
+  };
+
+  // Software pipeline: the scores of tile t + 1 are multiplied while the softmax of tile t runs
+  // (tensor cores and the other units at once), then O += P V of tile t. Stages: tile t + 1 was
+  // copied an iteration ahead; tile t + 2 is issued once every thread is past tile t - 1.
+  float s_acc[kTileN / 2];
+  if (num_tiles > 0) {
+    cp_async_wait<kStages - 2>();  // Q and tile 0
+    fence_shared_for_async_proxy();
+    __syncthreads();
+    issue_scores(s_acc, 0);
     wgmma_wait<0>();
     pin_registers(s_acc);
+  }
 
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const bool has_next = tile + 1 < num_tiles;  // the same for every thread of the block
+    float s_next[kTileN / 2];
+    if (has_next) {
+      cp_async_wait<kStages - 3>();  // tile + 1 (issued an iteration ago) has landed
+      fence_shared_for_async_proxy();
+      __syncthreads();  // ... for every thread, and every thread is done with tile - 1
+      const int ahead = tile + kStages - 1;
+      if (ahead < num_tiles) {
+        loader.lookup(ahead);
+        loader.issue(ahead, ahead % kStages);
+      }
+      loader.commit();
+      issue_scores(s_next, (tile + 1) % kStages);
+    }
+
+    const int pos0 = tile * kTileN;
     if (!fold_scale) {
 #pragma unroll
       for (int i = 0; i < kTileN / 2; ++i) s_acc[i] *= scale_log2;
@@ -253,6 +272,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       p_frag[kk][2] = pack_pair<T>(s_acc[8 * kk + 4], s_acc[8 * kk + 5]);
       p_frag[kk][3] = pack_pair<T>(s_acc[8 * kk + 6], s_acc[8 * kk + 7]);
     }
+    const uint32_t v_tile = shared_address(v_smem + (tile % kStages) * Traits::kTileElements);
     pin_registers(o_acc);
     wgmma_fence();
 #pragma unroll
@@ -262,11 +282,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       WgmmaM64<T, D>::a_from_registers(o_acc, p_frag[kk], desc_v, 1);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<0>();  // the next tile's scores and this tile's P V
     pin_registers(o_acc);
 #pragma unroll
     for (int kk = 0; kk < kTileN / 16; ++kk) pin_registers(p_frag[kk]);
-    __syncthreads();  // the next iteration's copy overwrites this stage
+    if (has_next) {
+      pin_registers(s_next);
+#pragma unroll
+      for (int i = 0; i < kTileN / 2; ++i) s_acc[i] = s_next[i];
+    }
   }
   cp_async_wait<0>();
 
