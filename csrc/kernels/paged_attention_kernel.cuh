@@ -10,8 +10,10 @@
 
 #include "device_primitives.cuh"
 #include "launch.h"
+#include "online_softmax.cuh"
 #include "paged_attention_instantiations.h"
 #include "paged_attention_params.h"
+#include "paged_attention_rows.cuh"
 #include "paged_attention_traits.h"
 #include "paged_decode_merge.cuh"
 #include "paged_kv_tile_loader.cuh"
@@ -68,12 +70,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int first_pos = seq_len - q_len;  // kv position of new token 0
 
   // kv range of this block: [kv_begin, kv_end).
-  int kv_end = seq_len;
-  if (p.is_causal) {
-    const int last_token = (min(row0 + kBlockRows, num_rows) - 1) / group;
-    kv_end = min(kv_end, first_pos + last_token + 1);
-  }
-  if (p.attn_mask != nullptr) kv_end = min(kv_end, p.mask_kv_len);
+  const int kv_end = block_kv_end(p, seq_len, first_pos, row0, kBlockRows, num_rows, group);
   // Decode: split s takes tiles s, s + S, s + 2S, ... of the sequence (S = num_splits), so the
   // splits stay balanced within a tile at every length (the grid comes from shapes alone) and a
   // block's first tile is known before its seq_len arrives.
@@ -82,35 +79,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + tile_step - 1) / tile_step : 0;
 
   // ---- global -> shared copies -------------------------------------------------------------
-  const T* q_base = static_cast<const T*>(p.q);
   auto load_q = [&]() {
-#pragma unroll
-    for (int i = 0; i < kBlockRows * kChunks / kThreads; ++i) {
-      const int c = tid + i * kThreads;
-      const int r = c / kChunks, ch = c % kChunks;
-      const int row = row0 + r;
-      const bool valid = row < num_rows;
-      const T* src = q_base;
-      if (valid) {
-        const int token = q_start + row / group;
-        const int head = kv_head * group + row % group;
-        src = q_base + token * p.q_stride_token + head * p.q_stride_head + ch * 8;
-      }
-      cp_async_16(shared_address(q_smem + tile_offset<D, Traits::kSwizzle>(r, ch)), src, valid);
-    }
+    load_query_rows<T, kBlockRows, kChunks, kThreads>(
+        p, q_smem, tid, q_start, row0, num_rows, group, kv_head,
+        [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); });
   };
   // K/V tiles (see paged_kv_tile_loader.cuh).
-  KVTileSource source;
-  source.k_head =
-      static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(T);
-  source.v_head =
-      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(T);
-  source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(T));
-  source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(T));
-  source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(T));
-  source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(T));
-  source.block_table = p.block_table + seq * p.block_table_stride;
-  source.log2_page_size = p.log2_page_size;
+  KVTileSource source = kv_tile_source<T>(p, seq, kv_head);
   source.kv_begin = kv_begin;
   source.kv_end = kv_end;
   source.tile_step = tile_step;
@@ -249,58 +224,31 @@ __global__ void __launch_bounds__(Traits::kThreads)
       for (int mi = 0; mi < kMRep; ++mi) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = row0 + warp_row0 + mi * 16 + lane_row + half * 8;
-          const int token = min(row, max(num_rows - 1, 0)) / group;
-          const int causal_end = p.is_causal ? first_pos + token + 1 : kv_end;
-          const int limit = min(kv_end, causal_end);
-          const bool* mask_row =
-              mask != nullptr ? mask + (int64_t)(q_start + token) * p.mask_stride_token : nullptr;
+          const RowVisibility seen =
+              row_visibility(p, row0 + warp_row0 + mi * 16 + lane_row + half * 8, num_rows, group,
+                             q_start, first_pos, kv_end);
 #pragma unroll
           for (int nt = 0; nt < kWarpTileN / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int pos = pos0 + warp_col0 + nt * 8 + lane_col + e;
-              bool keep = pos < limit;
-              if (mask_row != nullptr && keep) keep = mask_row[pos];
-              if (!keep) s_acc[mi][nt][half * 2 + e] = kNegInf;
+              if (!visible(seen, pos0 + warp_col0 + nt * 8 + lane_col + e))
+                s_acc[mi][nt][half * 2 + e] = kNegInf;
             }
           }
         }
       }
     }
 
-    // Online softmax (FlashAttention-2). O is rescaled only when some lane's alpha differs from
-    // 1; skipping a multiply by exactly 1 changes nothing. An unchanged max sets alpha = 1
-    // outright: with the folded scale ptxas contracts row_max * exp_scale - base into one FFMA,
-    // whose rounding residual would otherwise give exp2(~1e-7) != 1 and defeat the skip.
+    // Online softmax (online_softmax.cuh). O is rescaled only when some lane's alpha differs
+    // from 1; skipping a multiply by exactly 1 changes nothing.
     float alpha[kMRep][2];
 #pragma unroll
     for (int mi = 0; mi < kMRep; ++mi) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float tile_max = kNegInf;
-#pragma unroll
-        for (int nt = 0; nt < kWarpTileN / 8; ++nt)
-          tile_max = fmaxf(tile_max, fmaxf(s_acc[mi][nt][half * 2], s_acc[mi][nt][half * 2 + 1]));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float new_max = fmaxf(row_max[mi][half], tile_max);
-        // A row with no visible key yet keeps max -inf; subtract 0 then (exp2(-inf) = 0, no NaN).
-        const float base = (new_max == kNegInf ? 0.f : new_max) * exp_scale;
-        alpha[mi][half] =
-            new_max == row_max[mi][half] ? 1.f : fast_exp2(row_max[mi][half] * exp_scale - base);
-        row_max[mi][half] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kWarpTileN / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float prob = fast_exp2(fmaf(s_acc[mi][nt][half * 2 + e], exp_scale, -base));
-            s_acc[mi][nt][half * 2 + e] = prob;
-            sum += prob;
-          }
-        }
-        row_sum[mi][half] = row_sum[mi][half] * alpha[mi][half] + sum;
+        alpha[mi][half] = online_softmax_row<kWarpTileN / 8>(
+            [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; }, row_max[mi][half],
+            row_sum[mi][half], exp_scale);
       }
     }
     bool rescale = false;
@@ -477,12 +425,10 @@ template <int D, typename T, bool kDecode>
 LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
   using Traits = PagedAttentionTraits<D, kDecode>;
   auto kernel = paged_attention_kernel<Traits, T>;
-  cudaError_t error =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-  if (error != cudaSuccess)
-    return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
-  const int64_t row_tiles = (grid_rows + Traits::kBlockRows - 1) / Traits::kBlockRows;
-  if (row_tiles > 65535) return {"paged attention: too many query rows for one launch"};
+  int64_t row_tiles = 0;
+  const LaunchStatus prepared = prepare_row_tile_launch(kernel, Traits::kSmemBytes, grid_rows,
+                                                        Traits::kBlockRows, &row_tiles);
+  if (!prepared.ok()) return prepared;
   const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
   dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
             kDecode ? args.num_splits : 1);

@@ -44,6 +44,24 @@ struct KVTileSource {
   int lookup_end;
 };
 
+// The pool addressing of one (sequence, kv head); the block's kv range is the caller's.
+template <typename T>
+__device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParams& p, int seq,
+                                                       int kv_head) {
+  KVTileSource source;
+  source.k_head =
+      static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(T);
+  source.v_head =
+      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(T);
+  source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(T));
+  source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(T));
+  source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(T));
+  source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(T));
+  source.block_table = p.block_table + seq * p.block_table_stride;
+  source.log2_page_size = p.log2_page_size;
+  return source;
+}
+
 template <typename Traits, typename T>
 struct KVTileLoader {
   static constexpr int D = Traits::kHeadDim;

@@ -181,6 +181,23 @@ def run_decode(batch, attn_mask=None, is_causal=True):
     )
 
 
+def run_prefill(batch, q, scale, is_causal=True, attn_mask=None):
+    poison_next_allocation(q.shape, q.dtype)
+    return attention_op(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        max(batch.q_lens_list),
+        False,
+        attn_mask,
+        is_causal,
+        scale,
+    )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
@@ -266,20 +283,7 @@ def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group,
     lens = [p + n for p, n in zip(prefix, q_lens)]
     batch = PagedBatch(lens, q_lens, 2 * group, 2, head_dim, page_size, dtype, generator=g)
     scale = 1.0 / math.sqrt(head_dim)
-    poison_next_allocation(batch.q.shape, dtype)
-    out = attention_op(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
-        max(q_lens),
-        False,
-        None,
-        is_causal,
-        scale,
-    )
+    out = run_prefill(batch, batch.q, scale, is_causal)
     assert_close(out, reference(batch, batch.q, is_causal, scale), dtype)
 
 
@@ -291,20 +295,7 @@ def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence(prefill_kernel)
     lens = [700, 1000, 50, 2100, 129]
     batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
     scale = 1.0 / math.sqrt(128)
-    poison_next_allocation(batch.q.shape, torch.bfloat16)
-    out = attention_op(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
-        max(q_lens),
-        False,
-        None,
-        True,
-        scale,
-    )
+    out = run_prefill(batch, batch.q, scale)
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
@@ -318,20 +309,7 @@ def test_prefill_long_prompt_row_stride_and_zero_length(prefill_kernel):
     fused = torch.randn(batch.num_tokens, 48, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     q = fused[:, 8:40]
     scale = 0.11
-    poison_next_allocation(q.shape, q.dtype)
-    out = attention_op(
-        q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
-        1500,
-        False,
-        None,
-        True,
-        scale,
-    )
+    out = run_prefill(batch, q, scale)
     assert_close(out, reference(batch, q, True, scale), torch.bfloat16)
 
 
@@ -344,20 +322,7 @@ def test_prefill_bool_mask(is_causal, prefill_kernel):
     mask = torch.rand(batch.num_tokens, 250, generator=g, device="cuda") > 0.5
     mask[3] = False  # a row with no key
     scale = 1.0 / 8
-    poison_next_allocation(batch.q.shape, batch.q.dtype)
-    out = attention_op(
-        batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
-        130,
-        False,
-        mask,
-        is_causal,
-        scale,
-    )
+    out = run_prefill(batch, batch.q, scale, is_causal, attn_mask=mask)
     assert_close(out, reference(batch, batch.q, is_causal, scale, mask), torch.bfloat16)
     assert (out[3] == 0).all()
 
