@@ -130,8 +130,9 @@ int current_device_arch() {
 
 // Where the wgmma prefill beats the mma.sync one (H200, causal bf16, bench_attention.py --quick,
 // TFLOP/s wgmma vs mma.sync): at D = 128 on every row, 1.06-1.52x (B=2 S=4096 GQA 343 vs 300,
-// ragged batch 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not (B=4 S=4096: 224 vs 253 and
-// 233 vs 261: the softmax, the same per row, weighs twice as much against half the multiply).
+// ragged batch 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not, even with 128-wide tiles
+// (B=4 S=4096: 235 vs 252 and 238 vs 260; 96-wide: 224 and 233): the softmax, the same per row,
+// weighs twice as much against half the multiply.
 constexpr bool wgmma_pays_for_head_dim(int head_dim) { return head_dim == 128; }
 
 bool paged_prefill_wgmma_runs_here() {

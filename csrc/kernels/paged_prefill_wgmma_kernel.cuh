@@ -44,7 +44,9 @@ struct PrefillWgmmaTraits {
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = kWarpGroups * 128;
   static constexpr int kBlockRows = kWarpGroups * 64;  // 64 rows per warpgroup (wgmma's M)
-  static constexpr int kTileN = 96;                    // kv positions per tile (S's N), see top
+  // kv positions per tile (S's N), see top; D = 64 multiplies half as much per tile, so it takes
+  // wider tiles to carry each tile's fixed work (the barrier, the copies' issue).
+  static constexpr int kTileN = kHeadDim == 64 ? 128 : 96;
   static constexpr int kStages = 3;  // tile t in use, t + 1 landed, t + 2 in flight
   static constexpr int kChunksPerRow = kHeadDim / 8;
   static constexpr bool kWgmmaTiles = true;
