@@ -1,8 +1,8 @@
 """A small run of every cuda-backend kernel (append, decode with split-KV, prefill with a mask),
 for `compute-sanitizer --tool memcheck`: ragged lengths that end mid-page, shuffled pages,
-GQA, and a block table wider than any sequence needs. Split decodes run twice: merged inside a
-thread-block cluster (sm_90) and by the merge kernel; prefills twice: on wgmma (where it runs) and
-on mma.sync."""
+GQA, and a block table wider than any sequence needs. Decodes run in 2 splits, twice: merged
+inside a thread-block cluster (sm_90) and by the merge kernel; prefills twice: on wgmma (where it
+runs) and on mma.sync."""
 
 import os
 
@@ -40,6 +40,7 @@ def main() -> None:
                 )
             )
         decodes = []
+        os.environ["ASTR_DECODE_SPLITS"] = "2"  # the only count merged in a cluster
         for cluster_merge in ("1", "0"):
             os.environ["ASTR_DECODE_CLUSTER_MERGE"] = cluster_merge
             decodes.append(

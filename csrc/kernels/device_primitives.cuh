@@ -91,8 +91,8 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 // Thread-block clusters (sm_90): the block's rank in its cluster, a barrier over every thread of
 // the cluster (release / acquire: shared-memory writes before it are visible to the cluster's
 // blocks after it), and the address of the same shared-memory object in the block of another rank
-// (distributed shared memory, read with ordinary loads). Before sm_90 no launch asks for a
-// cluster; calling these there traps.
+// (distributed shared memory, read and written with ordinary loads and stores). Before sm_90 no
+// launch asks for a cluster; calling these there traps.
 __device__ __forceinline__ int cluster_block_rank() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   uint32_t rank;
@@ -109,6 +109,22 @@ __device__ __forceinline__ void cluster_barrier() {
       "barrier.cluster.arrive.release.aligned;\n"
       "barrier.cluster.wait.acquire.aligned;\n" ::
           : "memory");
+#else
+  __trap();
+#endif
+}
+// The two halves of a cluster barrier, for a phase that only says "every block has started"
+// (no memory ordering): arrive early, wait later.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 #else
   __trap();
 #endif

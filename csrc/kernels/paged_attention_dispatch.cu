@@ -143,15 +143,14 @@ bool paged_prefill_wgmma_runs_here() {
 #endif
 }
 
-// The kernel merges clusters of any size up to 8, but only pairs pay (H200, bf16, Hq=32 Hkv=8
-// D=128 page 16, benchmarks/sweep_decode_splits.py, us in cluster vs with the merge kernel):
-// 2 splits 39.0 vs 40.4 at B=16 L=2048, 67.6 vs 69.6 at L=4096, 249 vs 251 at B=64 L=4096;
-// 3, 4 or 8 splits were slower (B=16 L=2048: 47.6/51.9/63.0 vs 45.2/43.9/47.3; B=4 L=8192 with 8
-// splits: 56.6 vs 40.9), as larger clusters leave slots idle waiting for a whole cluster to fit.
-constexpr int kMaxSplitsMergedInCluster = 2;
-
+// Only pairs of splits merge in a cluster; larger clusters were measured slower (H200, bf16,
+// Hq=32 Hkv=8 D=128 page 16, benchmarks/sweep_decode_splits.py, us in cluster vs with the merge
+// kernel): 2 splits 39.0 vs 40.4 at B=16 L=2048, 67.6 vs 69.6 at L=4096, 249 vs 251 at B=64
+// L=4096; 3, 4 or 8 splits were slower (B=16 L=2048: 47.6/51.9/63.0 vs 45.2/43.9/47.3; B=4 L=8192
+// with 8 splits: 56.6 vs 40.9), as larger clusters leave slots idle waiting for a whole cluster to
+// fit. So the kernel's epilogue is written for pairs (PagedAttentionTraits::kClusterSplits).
 bool paged_decode_can_merge_in_cluster(int num_splits) {
-  return num_splits >= 2 && num_splits <= kMaxSplitsMergedInCluster &&
+  return num_splits == PagedAttentionTraits<128, true>::kClusterSplits &&
          current_device_is_sm90_or_newer();
 }
 

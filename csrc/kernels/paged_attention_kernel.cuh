@@ -44,6 +44,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // Split decode: let the merge kernel (launched as a programmatic dependent, see below) be
   // scheduled now; it waits for this grid's results before reading them.
   if (kDecode && args.num_splits > 1 && !args.merge_in_cluster) allow_dependent_launch();
+  // In-cluster merge: the first phase of the cluster barrier says "started" (waited for before a
+  // block writes into a peer's shared memory, in the epilogue).
+  if (kDecode && args.merge_in_cluster) cluster_arrive_relaxed();
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int seq = blockIdx.x / p.num_kv_heads;
@@ -329,11 +332,13 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   } else {
     // Merge the softmax states of the 4 warps (each saw a quarter of every tile) through shared
-    // memory. With merge_in_cluster the num_splits blocks of this (sequence, kv head, row tile)
-    // form a thread-block cluster (sm_90) and merge all their warps' states at once, each block
-    // reading its peers' shared memory and writing a share of the rows to `out`: no workspace and
-    // no merge kernel. Otherwise a split block writes its normalized result and log2-sum-exp to the
-    // workspace for paged_decode_merge_kernel.
+    // memory; thread t takes float4 column t % (D / 4) of rows t / (D / 4) + i * kRowsPerPass.
+    // Then, with merge_in_cluster, the 2 splits of this (sequence, kv head, row tile) are one
+    // thread-block cluster (sm_90): each block owns half of the columns and pushes its state of
+    // the other half into its peer's shared memory (stores, which need no round trip), one cluster
+    // barrier, and each block writes its half of the rows to `out`: no workspace, no merge kernel.
+    // Otherwise a split block writes its normalized result and log2-sum-exp to the workspace for
+    // paged_decode_merge_kernel, and a lone block its output.
     __syncthreads();
     float* merge_o = reinterpret_cast<float*>(k_smem);  // [kWarps][16][kMergeRowStride]
     float* merge_m = merge_o + Traits::kWarps * 16 * Traits::kMergeRowStride;  // [kWarps][16]
@@ -352,65 +357,118 @@ __global__ void __launch_bounds__(Traits::kThreads)
         merge_l[warp * 16 + r] = row_sum[0][half];
       }
     }
-    const bool in_cluster = args.merge_in_cluster;
-    // Blocks whose states this block merges (itself, or the whole cluster), and its rank there.
-    int sources = 1, rank = 0;
-    if (in_cluster) {
-      sources = args.num_splits;
-      rank = cluster_block_rank();
-      cluster_barrier();  // every block's states are in its shared memory (release / acquire)
-    } else {
-      __syncthreads();
-    }
-    const int num_tokens = p.num_tokens;
-    for (int item = tid + rank * kThreads; item < 16 * (D / 4); item += sources * kThreads) {
-      const int r = item / (D / 4);
-      const int c = (item % (D / 4)) * 4;
-      const int row = row0 + r;
-      if (row >= num_rows) continue;
-      float m = kNegInf;
-      for (int b = 0; b < sources; ++b) {
-        const float* block_m = in_cluster ? cluster_peer_address(merge_m, b) : merge_m;
+    __syncthreads();
+
+    constexpr int kColumns = D / 4;
+    constexpr int kRowsPerPass = kThreads / kColumns;
+    constexpr int kItems = 16 / kRowsPerPass;
+    static_assert(kThreads % kColumns == 0 && 16 % kRowsPerPass == 0, "merge items");
+    const int column = tid % kColumns;
+    const int c = column * 4;
+    auto item_row = [&](int i) { return tid / kColumns + i * kRowsPerPass; };
+    // Softmax state of one row's 4 columns: max (log2 domain), sum, unnormalized output.
+    float item_m[kItems], item_l[kItems];
+    float4 item_o[kItems];
 #pragma unroll
-        for (int w = 0; w < Traits::kWarps; ++w) m = fmaxf(m, block_m[w * 16 + r]);
-      }
+    for (int i = 0; i < kItems; ++i) {
+      const int r = item_row(i);
+      const bool valid = row0 + r < num_rows;  // padding rows were not written
+      float m = kNegInf;
+#pragma unroll
+      for (int w = 0; w < Traits::kWarps; ++w)
+        if (valid) m = fmaxf(m, merge_m[w * 16 + r]);
       float l = 0.f;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       if (m != kNegInf) {
-        for (int b = 0; b < sources; ++b) {
-          const float* block_o = in_cluster ? cluster_peer_address(merge_o, b) : merge_o;
-          const float* block_m = in_cluster ? cluster_peer_address(merge_m, b) : merge_m;
-          const float* block_l = in_cluster ? cluster_peer_address(merge_l, b) : merge_l;
 #pragma unroll
-          for (int w = 0; w < Traits::kWarps; ++w) {
-            const float weight = exp2f(block_m[w * 16 + r] - m);
-            l += block_l[w * 16 + r] * weight;
-            const float4 o = *reinterpret_cast<const float4*>(
-                block_o + (w * 16 + r) * Traits::kMergeRowStride + c);
-            acc.x += o.x * weight;
-            acc.y += o.y * weight;
-            acc.z += o.z * weight;
-            acc.w += o.w * weight;
+        for (int w = 0; w < Traits::kWarps; ++w) {
+          const float weight = exp2f(merge_m[w * 16 + r] - m);
+          l += merge_l[w * 16 + r] * weight;
+          const float4 o = *reinterpret_cast<const float4*>(
+              merge_o + (w * 16 + r) * Traits::kMergeRowStride + c);
+          acc.x += o.x * weight;
+          acc.y += o.y * weight;
+          acc.z += o.z * weight;
+          acc.w += o.w * weight;
+        }
+      }
+      item_m[i] = m;
+      item_l[i] = l;
+      item_o[i] = acc;
+    }
+
+    const bool in_cluster = args.merge_in_cluster;
+    bool owned = true;  // this block writes this thread's column
+    if (in_cluster) {
+      constexpr int kOwnColumns = kColumns / Traits::kClusterSplits;
+      constexpr int kOwnFloats = D / Traits::kClusterSplits;
+      const int rank = cluster_block_rank();
+      const int owner = column / kOwnColumns;
+      owned = owner == rank;
+      cluster_wait();  // the arrive at the top: every block of the cluster has started
+      if (!owned) {
+        float* peer = cluster_peer_address(
+            reinterpret_cast<float*>(smem_raw + Traits::kSmemBytes - Traits::kIncomingBytes),
+            owner);
+        const int peer_c = c - owner * kOwnFloats;
+#pragma unroll
+        for (int i = 0; i < kItems; ++i) {
+          const int r = item_row(i);
+          if (row0 + r >= num_rows) continue;
+          *reinterpret_cast<float4*>(peer + r * kOwnFloats + peer_c) = item_o[i];
+          if (peer_c == 0) {
+            peer[16 * kOwnFloats + r] = item_m[i];
+            peer[16 * kOwnFloats + 16 + r] = item_l[i];
           }
         }
       }
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const int head = kv_head * group + row;
-      if (args.num_splits == 1 || in_cluster) {
-        T* dst = out + seq * p.out_stride_token + head * p.out_stride_head + c;
-        uint2 packed;
-        packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
-        packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
-        *reinterpret_cast<uint2*>(dst) = packed;
-      } else {
-        const int64_t index = ((int64_t)split * num_tokens + seq) * p.num_q_heads + head;
-        *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
-            make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-        if (c == 0) args.partial_lse[index] = l > 0.f ? m + log2f(l) : kNegInf;
+      cluster_barrier();  // the pushes have landed (release / acquire)
+      if (owned) {
+        const float* incoming =
+            reinterpret_cast<const float*>(smem_raw + Traits::kSmemBytes - Traits::kIncomingBytes);
+        const int own_c = c - rank * kOwnFloats;
+#pragma unroll
+        for (int i = 0; i < kItems; ++i) {
+          const int r = item_row(i);
+          if (row0 + r >= num_rows) continue;
+          const float peer_m = incoming[16 * kOwnFloats + r];
+          const float m = fmaxf(item_m[i], peer_m);
+          if (m == kNegInf) continue;  // both empty: l stays 0, the output 0
+          const float w_own = exp2f(item_m[i] - m), w_peer = exp2f(peer_m - m);
+          const float4 o = *reinterpret_cast<const float4*>(incoming + r * kOwnFloats + own_c);
+          item_l[i] = item_l[i] * w_own + incoming[16 * kOwnFloats + 16 + r] * w_peer;
+          item_o[i].x = item_o[i].x * w_own + o.x * w_peer;
+          item_o[i].y = item_o[i].y * w_own + o.y * w_peer;
+          item_o[i].z = item_o[i].z * w_own + o.z * w_peer;
+          item_o[i].w = item_o[i].w * w_own + o.w * w_peer;
+          item_m[i] = m;
+        }
       }
     }
-    // A block's shared memory must outlive its peers' reads of it.
-    if (in_cluster) cluster_barrier();
+    if (owned) {
+      const int num_tokens = p.num_tokens;
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        const int row = row0 + item_row(i);
+        if (row >= num_rows) continue;
+        const float l = item_l[i];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float4 acc = item_o[i];
+        const int head = kv_head * group + row;
+        if (args.num_splits == 1 || in_cluster) {
+          T* dst = out + seq * p.out_stride_token + head * p.out_stride_head + c;
+          uint2 packed;
+          packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
+          packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
+          *reinterpret_cast<uint2*>(dst) = packed;
+        } else {
+          const int64_t index = ((int64_t)split * num_tokens + seq) * p.num_q_heads + head;
+          *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
+              make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+          if (c == 0) args.partial_lse[index] = l > 0.f ? item_m[i] + log2f(l) : kNegInf;
+        }
+      }
+    }
   }
 }
 

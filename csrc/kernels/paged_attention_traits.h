@@ -62,7 +62,13 @@ struct PagedAttentionTraits {
   static constexpr bool kWgmmaTiles = false;  // K/V tile layout (paged_kv_tile_loader.cuh)
   static constexpr int kTileElements = kTileN * kRowStride;
   static constexpr int kKVSmemElements = kStages * kTileElements;  // per K and per V
-  static constexpr int kSmemBytes = (kQSmemElements + 2 * kKVSmemElements) * 2;
+  // Decode splits merged in a thread-block cluster: 2 (paged_attention_dispatch.cu says why). The
+  // epilogue's incoming region (at the end of shared memory, outside the K/V stages, which the
+  // peer may still be reading) receives the peer's states of this block's half of the columns:
+  // 16 rows x D / 2 floats of output, then 16 maxima and 16 sums.
+  static constexpr int kClusterSplits = 2;
+  static constexpr int kIncomingBytes = kDecode ? (16 * kHeadDim / kClusterSplits + 32) * 4 : 0;
+  static constexpr int kSmemBytes = (kQSmemElements + 2 * kKVSmemElements) * 2 + kIncomingBytes;
 
   // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads
   // rows so the float2 stores of a warp hit distinct banks) plus m and l per row.
