@@ -72,6 +72,8 @@ def extension():
     ]
     if "9.0a" in archs.split(";"):
         macros.append(("ASTR_WITH_SM90A", "1"))
+    if os.environ.get("ASTR_DECODE_TIMELINE", "0") == "1":  # benchmarks/decode_timeline.py
+        macros.append(("ASTR_DECODE_TIMELINE", "1"))
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     threads = os.environ.get("NVCC_THREADS")
     if threads:

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "decode_timeline.cuh"
 #include "device_primitives.cuh"
 #include "launch.h"
 #include "online_softmax.cuh"
@@ -41,6 +42,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   T* v_smem = k_smem + Traits::kKVSmemElements;
 
   const int tid = threadIdx.x;
+  DecodeTimeline timeline;  // diagnostic build only (decode_timeline.cuh)
+  if constexpr (kDecode) timeline.start = DecodeTimeline::now();
   // Split decode: let the merge kernel (launched as a programmatic dependent, see below) be
   // scheduled now; it waits for this grid's results before reading them.
   if (kDecode && args.num_splits > 1 && !args.merge_in_cluster) allow_dependent_launch();
@@ -142,6 +145,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   if constexpr (kDecode) loader.lookup(kStages - 1);
 
+  if constexpr (kDecode) timeline.prologue = DecodeTimeline::now();
+
   const float scale_log2 = args.scale_log2;
   // Scores enter the exponent as exp2(s * exp_scale - max * exp_scale): with a positive scale,
   // s and row_max stay unscaled and one FFMA per score replaces a multiply and a subtract.
@@ -158,6 +163,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     loader.commit();
     if constexpr (kDecode) loader.lookup(next + 1);
     loader.wait();
+    if (kDecode && tile == 0) timeline.first_tile = DecodeTimeline::now();
 
     if constexpr (Traits::kQInRegisters) {
       if (tile == 0) {
@@ -293,6 +299,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     __syncthreads();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();
+  if constexpr (kDecode) timeline.loop_end = DecodeTimeline::now();
   // From here on row_max is in the log2 domain (the merges and the LSE use it).
 #pragma unroll
   for (int mi = 0; mi < kMRep; ++mi) {
@@ -469,6 +476,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
       }
     }
+    timeline.report(seq_len, num_tiles);
   }
 }
 
