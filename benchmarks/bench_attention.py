@@ -267,6 +267,19 @@ def query_start_loc(new_tokens: Sequence[int], device) -> torch.Tensor:
     return torch.tensor(starts, dtype=torch.int32, device=device)
 
 
+def uniform_decode_call(
+    batch: int, length: int, hq: int, hkv: int, head_dim: int, page_size: int = 16
+) -> tuple:
+    """One decode step over `batch` sequences of `length` cached tokens (bf16, random, in a
+    shuffled paged pool): q [B, Hq, D] and the keyword arguments of torch.ops.astr.attention."""
+    q = torch.randn(batch, hq, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(batch * length, hkv, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    v = torch.randn_like(k)
+    cache = build_paged_cache(k, v, [length] * batch, page_size)
+    cache["query_start_loc"] = query_start_loc([1] * batch, DEVICE)
+    return q, dict(cache, max_query_len=1, mode="decode")
+
+
 def reference_attention(
     q: torch.Tensor,  # [B, Hq, Lq, D]
     k: torch.Tensor,  # [B, Hkv, Lk, D]

@@ -55,12 +55,7 @@ def run_calls(shapes: list[tuple[int, int]]) -> None:
     timer = bench.Timer(warmup=0, repeats=1)
     hq, hkv, d = 32, 8, 128
     for batch, length in shapes:
-        q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(batch * length, hkv, d, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn_like(k)
-        cache = bench.build_paged_cache(k, v, [length] * batch, 16)
-        cache["query_start_loc"] = bench.query_start_loc([1] * batch, "cuda")
-        kwargs = dict(cache, max_query_len=1, mode="decode")
+        q, kwargs = bench.uniform_decode_call(batch, length, hq, hkv, d)
         for i in range(CALLS + 1):
             timer.evict(i)
             torch.cuda.synchronize()
@@ -68,7 +63,7 @@ def run_calls(shapes: list[tuple[int, int]]) -> None:
             torch.ops.astr.attention(q, backend="cuda", **kwargs)
             torch.cuda.synchronize()  # the blocks' lines reach C's stdout buffer
             libc.fflush(None)
-        del cache, k, v
+        del q, kwargs
         torch.cuda.empty_cache()
 
 

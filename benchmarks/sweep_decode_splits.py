@@ -52,12 +52,7 @@ def main() -> None:
     hq, hkv, d = 32, 8, 128
     rows = []
     for batch, length in shapes:
-        q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(batch * length, hkv, d, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn_like(k)
-        cache = bench.build_paged_cache(k, v, [length] * batch, 16)
-        cache["query_start_loc"] = bench.query_start_loc([1] * batch, "cuda")
-        kwargs = dict(cache, max_query_len=1, mode="decode")
+        q, kwargs = bench.uniform_decode_call(batch, length, hq, hkv, d)
         expected = torch.ops.astr.attention(q, backend="torch_native", **kwargs).float()
         nbytes = bench.decode_bytes(batch, length, hq, hkv, d)
         merges = {0: ("cluster", "kernel"), 1: ("-",), 2: ("cluster", "kernel")}
@@ -83,7 +78,7 @@ def main() -> None:
                 )
             )
             print(rows[-1], flush=True)
-        del cache, k, v
+        del q, kwargs
         torch.cuda.empty_cache()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
