@@ -409,14 +409,15 @@ __global__ void __launch_bounds__(Traits::kThreads)
     if (in_cluster) {
       constexpr int kOwnColumns = kColumns / Traits::kClusterSplits;
       constexpr int kOwnFloats = D / Traits::kClusterSplits;
+      // [16][D / 2] floats of output, then [16] maxima and [16] sums (PagedAttentionTraits).
+      float* incoming =
+          reinterpret_cast<float*>(smem_raw + Traits::kSmemBytes - Traits::kIncomingBytes);
       const int rank = cluster_block_rank();
       const int owner = column / kOwnColumns;
       owned = owner == rank;
       cluster_wait();  // the arrive at the top: every block of the cluster has started
       if (!owned) {
-        float* peer = cluster_peer_address(
-            reinterpret_cast<float*>(smem_raw + Traits::kSmemBytes - Traits::kIncomingBytes),
-            owner);
+        float* peer = cluster_peer_address(incoming, owner);
         const int peer_c = c - owner * kOwnFloats;
 #pragma unroll
         for (int i = 0; i < kItems; ++i) {
@@ -431,8 +432,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
       }
       cluster_barrier();  // the pushes have landed (release / acquire)
       if (owned) {
-        const float* incoming =
-            reinterpret_cast<const float*>(smem_raw + Traits::kSmemBytes - Traits::kIncomingBytes);
         const int own_c = c - rank * kOwnFloats;
 #pragma unroll
         for (int i = 0; i < kItems; ++i) {
