@@ -1,8 +1,8 @@
 """A small run of every cuda-backend kernel (append, decode with split-KV, prefill with a mask),
 for `compute-sanitizer --tool memcheck`: ragged lengths that end mid-page, shuffled pages,
 GQA, and a block table wider than any sequence needs. Decodes run in 2 splits, twice: merged
-inside a thread-block cluster (sm_90) and by the merge kernel; prefills twice: on wgmma (where it
-runs) and on mma.sync."""
+inside a thread-block cluster (sm_90) and by the merge kernel, for short sequences and for one of
+1500 tokens; prefills twice: on wgmma (where it runs) and on mma.sync."""
 
 import os
 
@@ -58,10 +58,39 @@ def main() -> None:
                     0.1,
                 )
             )
+        # One longer sequence (24 tiles of 64, 12 per split): the pipeline past its prologue.
+        long_len = 1500
+        long_pages = -(-long_len // page_size)
+        long_k = torch.randn(
+            long_pages + 3, page_size, kv_heads, head_dim, device=device, dtype=dtype
+        )
+        long_v = torch.randn_like(long_k)
+        long_table = torch.randperm(long_pages + 3, device=device)[:long_pages].view(1, -1).int()
+        long_lens = torch.tensor([long_len], dtype=torch.int32, device=device)
+        long_q = torch.randn(1, q_heads, head_dim, device=device, dtype=dtype)
+        long_decodes = []
+        for cluster_merge in ("1", "0"):
+            os.environ["ASTR_DECODE_CLUSTER_MERGE"] = cluster_merge
+            long_decodes.append(
+                torch.ops.astr.cuda_paged_attention(
+                    long_q,
+                    long_k,
+                    long_v,
+                    long_table,
+                    long_lens,
+                    starts[:2],
+                    1,
+                    True,
+                    None,
+                    True,
+                    0.1,
+                )
+            )
         torch.cuda.synchronize()
-        assert all(torch.isfinite(x).all() for x in prefills + decodes)
+        assert all(torch.isfinite(x).all() for x in prefills + decodes + long_decodes)
         assert torch.allclose(prefills[0].float(), prefills[1].float(), atol=2e-2)
         assert torch.allclose(decodes[0].float(), decodes[1].float(), atol=2e-2)
+        assert torch.allclose(long_decodes[0].float(), long_decodes[1].float(), atol=2e-2)
         print(f"head_dim {head_dim} page_size {page_size}: ok")
 
 

@@ -447,6 +447,46 @@ def test_append_then_decode_round_trip():
     assert_close(out, reference(batch, batch.q, True, 1.0 / 8), torch.float16)
 
 
+def as_head_major_pages(cache):
+    """The same values stored [P, Hkv, S, D] (head-major pages, FlashInfer's HND layout) and
+    seen as [P, S, Hkv, D] through strides: slot stride D, head stride S * D."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_head_major_pages_are_written_and_read_through_strides(page_size, prefill_kernel):
+    """A pool stored head-major per page, passed as its [P, S, Hkv, D] view: append_kv writes
+    through the strides, decode and prefill read through them."""
+    g = torch.Generator(device="cuda").manual_seed(40 + page_size)
+    for q_lens in ([1, 1, 1], [1, 30, 77]):
+        batch = PagedBatch(
+            [1, 300, 2000], q_lens, 8, 2, 128, page_size, torch.bfloat16, generator=g
+        )
+        batch.k_cache = as_head_major_pages(batch.k_cache)
+        batch.v_cache = as_head_major_pages(batch.v_cache)
+        assert batch.k_cache.stride(2) == 128 * page_size  # (a lone slot's stride is moot)
+        # Overwrite each sequence's last token in place.
+        last = [n - 1 for n in batch.seq_lens_list]
+        pages = [int(batch.block_table[b, pos // page_size]) for b, pos in enumerate(last)]
+        slots = torch.tensor(
+            [page * page_size + pos % page_size for page, pos in zip(pages, last)],
+            dtype=torch.int32,
+            device="cuda",
+        )
+        k_new = torch.randn(3, 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+        v_new = torch.randn_like(k_new)
+        torch.ops.astr.append_kv(k_new, v_new, batch.k_cache, batch.v_cache, slots)
+        for b, (page, pos) in enumerate(zip(pages, last)):
+            assert torch.equal(batch.k_cache[page, pos % page_size], k_new[b])
+            assert torch.equal(batch.v_cache[page, pos % page_size], v_new[b])
+        scale = 1.0 / math.sqrt(128)
+        if max(q_lens) == 1:
+            out = run_decode(batch)
+        else:
+            out = run_prefill(batch, batch.q, scale)
+        assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
+
+
 # ---- bad inputs: each raises RuntimeError naming the argument --------------------------------
 
 
