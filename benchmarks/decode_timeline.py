@@ -1,7 +1,7 @@
 """Where inside the decode kernel the time goes, block by block (GPU diagnostic).
 
     ASTR_DECODE_TIMELINE=1 pip install --no-build-isolation -e .   # the instrumented build
-    python3 benchmarks/decode_timeline.py [--shapes 16x2048,1x32768] [--out DIR]
+    python3 benchmarks/decode_timeline.py [--shapes 16x2048,1x32768] [--shuffle] [--out DIR]
 
 The instrumented build (csrc/kernels/decode_timeline.cuh) makes thread 0 of every decode block
 print %globaltimer stamps: entry, the prologue's copies issued, the first K/V tile landed, the last
@@ -10,6 +10,8 @@ D=128, page 16) a few times per shape in a child process, each call after the be
 flush, and summarises every call from the first block's entry: how long the prologue and the first
 tile take, how the blocks' loop ends spread (the tail, where fewer and fewer blocks stream), and
 what the epilogue (the merge) adds. Medians over the calls (the first, cold, call is dropped).
+Then per SM (the stamps carry %smid): the fastest and slowest SM's mean loop end, and whether the
+same SMs are slow in every call (the correlation of per-SM means between even and odd calls).
 Rebuild without the variable before timing anything else: printf costs registers.
 """
 
@@ -37,10 +39,19 @@ COLUMNS = [
     ("epilogue_med", "epilogue (med)"),
     ("end_max", "last block done"),
 ]
+# Per SM over the calls (sm_consistency): its blocks' mean loop end, fastest and slowest SM, and
+# how well the even calls' per-SM means predict the odd calls'.
+SM_COLUMNS = [
+    ("sm_fastest", "SM mean loop end (min)"),
+    ("sm_slowest", "SM mean loop end (max)"),
+    ("sm_repeat_corr", "SM repeat corr"),
+]
 
 
-def run_calls(shapes: list[tuple[int, int]]) -> None:
-    """Child: the decode calls whose blocks print their timelines to stdout."""
+def run_calls(shapes: list[tuple[int, int]], shuffle: bool = False) -> None:
+    """Child: the decode calls whose blocks print their timelines to stdout. With shuffle, every
+    call hands the sequences to the grid in a new order (the block table's rows and q permuted),
+    so a block index, and the SM it lands on, reads other pages each time."""
     import ctypes
 
     import torch
@@ -57,10 +68,15 @@ def run_calls(shapes: list[tuple[int, int]]) -> None:
     for batch, length in shapes:
         q, kwargs = bench.uniform_decode_call(batch, length, hq, hkv, d)
         for i in range(CALLS + 1):
+            call_q, call_kwargs = q, kwargs
+            if shuffle:
+                order = torch.randperm(batch, device=q.device)
+                call_q = q[order].contiguous()
+                call_kwargs = dict(kwargs, block_table=kwargs["block_table"][order].contiguous())
             timer.evict(i)
             torch.cuda.synchronize()
             print(f"CALL {batch}x{length} {i}", flush=True)
-            torch.ops.astr.attention(q, backend="cuda", **kwargs)
+            torch.ops.astr.attention(call_q, backend="cuda", **call_kwargs)
             torch.cuda.synchronize()  # the blocks' lines reach C's stdout buffer
             libc.fflush(None)
         del q, kwargs
@@ -111,6 +127,29 @@ def summarize(call) -> dict:
     )
 
 
+def per_sm_loop_end(calls: list) -> dict:
+    """{sm: mean loop end (us from the call's first entry) of its blocks over these calls}."""
+    ends = defaultdict(list)
+    for call in calls:
+        origin = min(r[3] for r in call)
+        for r in call:
+            ends[r[2]].append((r[6] - origin) * 1e-3)
+    return {sm: statistics.fmean(v) for sm, v in ends.items()}
+
+
+def sm_consistency(calls: list) -> dict:
+    """Is a slow SM slow every time? The spread of the per-SM mean loop end over all calls, and
+    the correlation of the per-SM means of the even calls with those of the odd calls (near 1: the
+    same SMs finish late in every call, so the tail is structural, not noise)."""
+    means = per_sm_loop_end(calls)
+    even, odd = per_sm_loop_end(calls[0::2]), per_sm_loop_end(calls[1::2])
+    common = [sm for sm in even if sm in odd]
+    corr = float("nan")
+    if len(common) > 2 and len(calls) > 1:
+        corr = statistics.correlation([even[sm] for sm in common], [odd[sm] for sm in common])
+    return dict(sm_fastest=min(means.values()), sm_slowest=max(means.values()), sm_repeat_corr=corr)
+
+
 def report(calls: dict) -> list[dict]:
     rows = []
     for (grid_x, splits, seq_len), groups in calls.items():
@@ -121,13 +160,14 @@ def report(calls: dict) -> list[dict]:
         row = dict(grid_x=grid_x, splits=splits, seq_len=seq_len, blocks=full, calls=len(kept))
         for key, _ in COLUMNS:
             row[key] = statistics.median(s[key] for s in kept)
+        row.update(sm_consistency([g for g in groups[1:] if len(g) == full]))
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict], env: str, command: str) -> str:
     head = "| grid (seq x kv head) | splits | seq_len | blocks | " + " | ".join(
-        title for _, title in COLUMNS
+        title for _, title in COLUMNS + SM_COLUMNS
     )
     lines = [
         "# Decode kernel timeline (per block, us from the first block's entry)",
@@ -136,11 +176,11 @@ def markdown(rows: list[dict], env: str, command: str) -> str:
         " Hkv=8, D=128, page 16; L2 emptied by a read before each call; medians over the calls.",
         "",
         head + " |",
-        "|" + " --- |" * (4 + len(COLUMNS)),
+        "|" + " --- |" * (4 + len(COLUMNS) + len(SM_COLUMNS)),
     ]
     for r in rows:
         cells = [str(r["grid_x"]), str(r["splits"]), str(r["seq_len"]), str(r["blocks"])]
-        cells += [f"{r[key]:.2f}" for key, _ in COLUMNS]
+        cells += [f"{r[key]:.2f}" for key, _ in COLUMNS + SM_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -149,14 +189,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(f"{b}x{n}" for b, n in SHAPES))
     parser.add_argument("--out", default=None, help="write decode_timeline.md/.txt here")
+    parser.add_argument(
+        "--shuffle", action="store_true", help="new sequence order every call (see run_calls)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.child:
-        run_calls(shapes)
+        run_calls(shapes, args.shuffle)
         return
     child = subprocess.run(
-        [sys.executable, __file__, "--child", "--shapes", args.shapes],
+        [sys.executable, __file__, "--child", "--shapes", args.shapes]
+        + (["--shuffle"] if args.shuffle else []),
         capture_output=True,
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
@@ -169,13 +213,15 @@ def main() -> None:
     import torch
 
     env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    text = markdown(rows, env, "python3 benchmarks/decode_timeline.py --shapes " + args.shapes)
+    command = "python3 benchmarks/decode_timeline.py --shapes " + args.shapes
+    text = markdown(rows, env, command + (" --shuffle" if args.shuffle else ""))
     print(text)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "decode_timeline.md").write_text(text)
-        (out / "decode_timeline_raw.txt").write_text(child.stdout)
+        stem = "decode_timeline_shuffled" if args.shuffle else "decode_timeline"
+        (out / f"{stem}.md").write_text(text)
+        (out / f"{stem}_raw.txt").write_text(child.stdout)
 
 
 if __name__ == "__main__":

@@ -40,3 +40,18 @@ def test_calls_are_split_at_the_markers_and_the_cold_call_is_dropped():
 
 def test_lines_before_the_first_marker_are_ignored():
     assert decode_timeline.parse([block_line(0, 0, 0, 1, 2, 3, 4)]) == {}
+
+
+def test_per_sm_summary_tells_a_slow_sm_from_noise():
+    """Four kept calls over three SMs (block b on SM b): SM 2 is 3 us late every time, SMs 0 and
+    1 trade places; so the slowest SM mean is SM 2's and even calls predict odd ones."""
+    lines = []
+    for call, jitter in enumerate([0, 0, 400, -300, 200]):  # call 0 is the cold one, dropped
+        lines.append(f"CALL 3x2048 {call}")
+        for block, late in ((0, 1000 + jitter), (1, 1000 - jitter), (2, 4000 + jitter // 4)):
+            lines.append(block_line(block, 0, 0, 1000, 2000, 30_000 + late, 31_000 + late))
+    (row,) = decode_timeline.report(decode_timeline.parse(lines))
+    assert row["calls"] == 4
+    assert row["sm_slowest"] == pytest.approx(34.01875)  # 30 + 4 us + mean of jitter // 4
+    assert row["sm_fastest"] == pytest.approx(30.925)  # SM 1: 31 us - mean jitter (75 ns)
+    assert row["sm_repeat_corr"] > 0.9
