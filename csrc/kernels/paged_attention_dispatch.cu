@@ -10,6 +10,7 @@
 #include "launch.h"
 #include "paged_attention_instantiations.h"
 #include "paged_attention_traits.h"
+#include "paged_decode_splits.h"
 
 namespace astrai::kernels {
 
@@ -84,28 +85,16 @@ LaunchStatus check_common(const PagedAttentionParams& p) {
 
 int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int max_kv_len,
                             int head_dim, int num_sms) {
-  // Time ~ waves x (tiles per split + 1): the +1 stands for a split's fixed cost (prologue latency,
-  // its share of the merge). Picks e.g. B=1,Hkv=8,L=32768 -> 32 splits (256 blocks, one wave on
-  // 132 SMs x 2); B=16,Hkv=8,L=4096 -> 2; B=64 -> 1. FlashDecoding's argument: fill the SMs.
-  constexpr int kTileN = 64;
-  if (num_seqs <= 0 || num_kv_heads <= 0 || max_kv_len <= kTileN) return 1;
+  // The rule and its measurements: paged_decode_splits.h. E.g. B=1,Hkv=8,L=32768 -> 33 splits
+  // (264 blocks, one wave on 132 SMs x 2); B=16,Hkv=8 -> 2; B=64 -> 1.
+  constexpr int kTileN = PagedAttentionTraits<128, true>::kTileN;  // the same at every head dim
+  if (num_seqs <= 0 || num_kv_heads <= 0) return 1;
   const int group = std::max(1, num_q_heads / num_kv_heads);
-  const int64_t blocks = (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
+  const int64_t blocks_per_split = (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
   const int64_t slots =
       (int64_t)std::max(1, num_sms) * std::max(1, blocks_per_sm_for_decode(head_dim));
-  const int64_t tiles = (max_kv_len + kTileN - 1) / kTileN;
-  const int max_splits = static_cast<int>(std::min<int64_t>(std::min<int64_t>(tiles, 256), 65535));
-  int best = 1;
-  int64_t best_cost = INT64_MAX;
-  for (int s = 1; s <= max_splits; ++s) {
-    const int64_t waves = (blocks * s + slots - 1) / slots;
-    const int64_t cost = waves * ((tiles + s - 1) / s + 1);
-    if (cost < best_cost) {
-      best_cost = cost;
-      best = s;
-    }
-  }
-  return best;
+  const int64_t tiles = ((int64_t)std::max(0, max_kv_len) + kTileN - 1) / kTileN;
+  return decode_splits_filling_one_wave(blocks_per_split, slots, tiles);
 }
 
 // Clusters, programmatic dependent launch and the wgmma prefill depend on the arch, and every

@@ -1,0 +1,45 @@
+// The decode's split-KV rule (csrc/kernels/paged_decode_splits.h), on the shapes it was measured
+// on: an H200 (132 SMs x 2 decode blocks at D = 128), Hq = 32, Hkv = 8, so one row tile per
+// (sequence, kv head) pair, kv tiles of 64 positions.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "paged_decode_splits.h"
+
+namespace {
+
+using astrai::kernels::decode_splits_filling_one_wave;
+
+constexpr int64_t kH200Slots = 132 * 2;
+constexpr int64_t pairs(int64_t batch, int64_t kv_heads = 8) { return batch * kv_heads; }
+constexpr int64_t tiles(int64_t length) { return (length + 63) / 64; }
+
+TEST(DecodeSplits, AsManyAsFitTheGridIntoOneWave) {
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), kH200Slots, tiles(2048)), 2);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(12), kH200Slots, tiles(4096)), 2);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(10), kH200Slots, tiles(8192)), 3);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(8), kH200Slots, tiles(4096)), 4);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(32768)), 33);
+}
+
+TEST(DecodeSplits, OneSplitOnceTheBatchAloneFillsMostOfAWave) {
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(24), kH200Slots, tiles(2048)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(64), kH200Slots, tiles(4096)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(32, 32), kH200Slots, tiles(4096)), 1);
+}
+
+TEST(DecodeSplits, NeverMoreSplitsThanTilesNorMoreThan256) {
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(512)), 8);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(64)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(1)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(1, 100000, 100000), 256);
+}
+
+TEST(DecodeSplits, DegenerateShapesTakeOneSplit) {
+  EXPECT_EQ(decode_splits_filling_one_wave(0, kH200Slots, tiles(4096)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), 0, tiles(4096)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), kH200Slots, 0), 1);
+}
+
+}  // namespace
