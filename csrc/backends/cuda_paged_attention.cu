@@ -21,9 +21,10 @@ namespace {
 
 // Tuning hooks for benchmarks/sweep_decode_splits.py, the A/B runs and the kernel tests: with
 // ASTR_TUNE_KERNELS set before the first call, ASTR_DECODE_SPLITS forces the decode split count,
-// ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster merge off, ASTR_PREFILL_WGMMA=0 keeps prefill
-// on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the head dim pays
-// (all read on every call). Otherwise one branch on a static.
+// ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster and in-block merges off (the merge kernel),
+// ASTR_DECODE_BLOCK_PAIRS=0 the block pairs only (clusters where they run), ASTR_PREFILL_WGMMA=0
+// keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
+// head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
   static const bool tuning = std::getenv("ASTR_TUNE_KERNELS") != nullptr;
   return tuning;
@@ -214,12 +215,17 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         kernels::paged_decode_num_splits(base.num_seqs, base.num_q_heads, base.num_kv_heads,
                                          static_cast<int>(max_kv_len), base.head_dim, num_sms);
     if (const int forced = decode_split_count_override(); forced > 0) params.num_splits = forced;
-    params.merge_in_cluster = kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
+    params.merge_in_block_pairs =
+        kernels::paged_decode_can_merge_in_block_pairs(params.num_splits, base.head_dim) &&
+        !tuning_switch_is_off("ASTR_DECODE_BLOCK_PAIRS") &&
+        !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
+    params.merge_in_cluster = !params.merge_in_block_pairs &&
+                              kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
                               !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
     // Size from shapes only (split count, T, Hq, D), never from seq_lens' values.
-    const size_t workspace_floats =
-        kernels::paged_decode_workspace_floats(params.num_splits, params.merge_in_cluster,
-                                               base.num_tokens, base.num_q_heads, base.head_dim);
+    const size_t workspace_floats = kernels::paged_decode_workspace_floats(
+        params.num_splits, params.merge_in_cluster || params.merge_in_block_pairs, base.num_tokens,
+        base.num_q_heads, base.head_dim);
     at::Tensor workspace;
     if (workspace_floats > 0) {
       workspace =

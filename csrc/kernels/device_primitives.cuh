@@ -88,6 +88,20 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
+// Barrier over this thread's group of a block made of kGroups equal groups of kGroupThreads
+// threads (named barrier 1 + group; barrier 0 is __syncthreads'), with __syncthreads' ordering of
+// shared memory among the group. One group: __syncthreads.
+template <int kGroups, int kGroupThreads>
+__device__ __forceinline__ void group_barrier() {
+  if constexpr (kGroups == 1) {
+    __syncthreads();
+  } else {
+    static_assert(kGroupThreads % 32 == 0 && kGroups < 16, "named barriers of whole warps");
+    const int id = 1 + static_cast<int>(threadIdx.x) / kGroupThreads;
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kGroupThreads) : "memory");
+  }
+}
+
 // Thread-block clusters (sm_90): the block's rank in its cluster, a barrier over every thread of
 // the cluster (release / acquire: shared-memory writes before it are visible to the cluster's
 // blocks after it), and the address of the same shared-memory object in the block of another rank

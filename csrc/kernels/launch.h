@@ -32,6 +32,10 @@ int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int
 // Whether the decode merges `num_splits` splits inside a thread-block cluster on the current
 // device: sm_90 or newer, and 2 splits (see paged_attention_dispatch.cu for why only 2).
 bool paged_decode_can_merge_in_cluster(int num_splits);
+// Whether the decode runs its `num_splits` splits as block pairs (one block of two groups of warps
+// per (sequence, kv head, row tile), merged in its shared memory) on the current device: 2 splits,
+// a head dim with a pair kernel, and room for the pair (paged_attention_dispatch.cu).
+bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim);
 // Float workspace the decode needs for `num_splits` (0 when num_splits == 1 or the splits merge in
 // a cluster).
 size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,

@@ -143,6 +143,42 @@ bool paged_decode_can_merge_in_cluster(int num_splits) {
          current_device_is_sm90_or_newer();
 }
 
+// Whether an SM of the current device holds the D = 128 block pair as well as 2 single blocks:
+// the pair fits one block's shared memory, and the SM holds half as many pairs as single blocks
+// (else pairs would leave slots of the one-wave split rule empty). Kept per device like the arch
+// (0 = not yet asked, 1 = no, 2 = yes).
+static bool current_device_fits_decode_block_pairs() {
+  using Pair = PagedAttentionTraits<128, true, 2>;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && known[device].load(std::memory_order_relaxed) != 0)
+    return known[device].load(std::memory_order_relaxed) == 2;
+  int optin = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
+          cudaSuccess)
+    return false;
+  const int pairs_per_sm = per_sm / (Pair::kBlockSmemBytes + 1024);
+  const bool fits = optin >= Pair::kBlockSmemBytes &&
+                    2 * pairs_per_sm >= PagedAttentionTraits<128, true>::kBlocksPerSm;
+  if (cached) known[device].store(fits ? 2 : 1, std::memory_order_relaxed);
+  return fits;
+}
+
+// Block pairs against clusters of 2 on the H200 (bf16, Hq=32, D=128, page 16, us per call, two
+// runs of benchmarks/decode_pairs_ab.py, results/decode_block_pairs_NVIDIA-H200_2026-12-03.md):
+// B=16 L=2048 37.7 / 36.9 vs 38.0 / 37.8, B=12 L=2048 31.2 / 30.9 vs 32.1 / 31.7, B=12 L=4096
+// 55.0 / 54.3 vs 55.6 / 55.2; from L=4096 at B=16 within 0.8% either way. The cluster's launch
+// and its barrier cost more than sharing one SM's issue slots.
+bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim) {
+  return num_splits == PagedAttentionTraits<128, true, 2>::kGroups &&
+         paged_decode_block_pairs_compiled(head_dim) && current_device_fits_decode_block_pairs();
+}
+
 size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,
                                      int num_q_heads, int head_dim) {
   if (num_splits <= 1 || merge_in_cluster) return 0;
@@ -159,7 +195,17 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
   if (params.merge_in_cluster && !paged_decode_can_merge_in_cluster(params.num_splits))
     return {"decode: merge_in_cluster needs sm_90 and 2 splits (got " +
             std::to_string(params.num_splits) + ")"};
-  if (params.num_splits > 1 && !params.merge_in_cluster && params.workspace == nullptr)
+  if (params.merge_in_block_pairs &&
+      !paged_decode_can_merge_in_block_pairs(params.num_splits, params.head_dim))
+    return {
+        "decode: merge_in_block_pairs needs 2 splits, head_dim 128 and a GPU whose SMs hold a "
+        "pair (208 KB of shared memory; got " +
+        std::to_string(params.num_splits) + " splits, head_dim " + std::to_string(params.head_dim) +
+        ")"};
+  if (params.merge_in_cluster && params.merge_in_block_pairs)
+    return {"decode: merge_in_cluster and merge_in_block_pairs exclude each other"};
+  if (params.num_splits > 1 && !params.merge_in_cluster && !params.merge_in_block_pairs &&
+      params.workspace == nullptr)
     return {"decode with num_splits > 1 needs a workspace"};
   if (params.num_tokens == 0) return {};
   PagedKernelArgs args{};
@@ -167,6 +213,7 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
   args.query_start_loc = nullptr;
   args.num_splits = params.num_splits;
   args.merge_in_cluster = params.merge_in_cluster;
+  args.merge_in_block_pairs = params.merge_in_block_pairs;
   const size_t rows = (size_t)params.num_splits * params.num_tokens * params.num_q_heads;
   args.partial_out = params.workspace;
   args.partial_lse =
@@ -188,6 +235,7 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t
   args.query_start_loc = params.query_start_loc;
   args.num_splits = 1;
   args.merge_in_cluster = false;
+  args.merge_in_block_pairs = false;
   args.scale_log2 = params.scale * 1.4426950408889634f;
   const int group = params.num_q_heads / params.num_kv_heads;
   const int64_t rows = (int64_t)params.max_query_len * group;

@@ -17,6 +17,7 @@ struct PagedKernelArgs {
   const int32_t* query_start_loc;  // [B + 1], null in decode (token b = sequence b)
   int num_splits;                  // decode: kv chunks per sequence (grid z)
   bool merge_in_cluster;           // decode: the splits form a cluster and merge in it
+  bool merge_in_block_pairs;       // decode: 2 splits run as one block of two groups
   float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
   float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
   float scale_log2;                // scale * log2(e): softmax runs on exp2

@@ -22,11 +22,12 @@
 namespace astrai::kernels {
 
 template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kThreads)
+__global__ void __launch_bounds__(Traits::kBlockThreads)
     paged_attention_kernel(const __grid_constant__ PagedKernelArgs args) {
   constexpr int D = Traits::kHeadDim;
   constexpr int kChunks = Traits::kChunksPerRow;
-  constexpr int kThreads = Traits::kThreads;
+  constexpr int kThreads = Traits::kThreads;  // of this thread's group
+  constexpr int kGroups = Traits::kGroups;    // 2: a decode block pair (paged_attention_traits.h)
   constexpr int kTileN = Traits::kTileN;
   constexpr int kWarpTileN = Traits::kWarpTileN;
   constexpr int kStages = Traits::kStages;
@@ -36,20 +37,25 @@ __global__ void __launch_bounds__(Traits::kThreads)
   constexpr float kNegInf = -INFINITY;
 
   const PagedAttentionParams& p = args.base;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_block[];
+  // A block pair's group g works in its own region, kSmemBytes from g * kSmemBytes.
+  const int pair_group = kGroups > 1 ? static_cast<int>(threadIdx.x) / kThreads : 0;
+  unsigned char* smem_raw = smem_block + pair_group * Traits::kSmemBytes;
   T* q_smem = reinterpret_cast<T*>(smem_raw);
   T* k_smem = q_smem + Traits::kQSmemElements;
   T* v_smem = k_smem + Traits::kKVSmemElements;
 
-  const int tid = threadIdx.x;
+  const int tid = kGroups > 1 ? static_cast<int>(threadIdx.x) % kThreads : threadIdx.x;
+  auto sync_group = [] { group_barrier<kGroups, kThreads>(); };
   DecodeTimeline timeline;  // diagnostic build only (decode_timeline.cuh)
   if constexpr (kDecode) timeline.start = DecodeTimeline::now();
   // Split decode: let the merge kernel (launched as a programmatic dependent, see below) be
   // scheduled now; it waits for this grid's results before reading them.
-  if (kDecode && args.num_splits > 1 && !args.merge_in_cluster) allow_dependent_launch();
+  if (kDecode && kGroups == 1 && args.num_splits > 1 && !args.merge_in_cluster)
+    allow_dependent_launch();
   // In-cluster merge: the first phase of the cluster barrier says "started" (waited for before a
   // block writes into a peer's shared memory, in the epilogue).
-  if (kDecode && args.merge_in_cluster) cluster_arrive_relaxed();
+  if (kDecode && kGroups == 1 && args.merge_in_cluster) cluster_arrive_relaxed();
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int seq = blockIdx.x / p.num_kv_heads;
@@ -57,7 +63,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int group = p.num_q_heads / p.num_kv_heads;
   // Prefill: heavy (late, causal) row tiles first.
   const int row_tile = kDecode ? blockIdx.y : gridDim.y - 1 - blockIdx.y;
-  const int split = kDecode ? blockIdx.z : 0;
+  const int split = kDecode ? static_cast<int>(blockIdx.z) * kGroups + pair_group : 0;
 
   const int seq_len = p.seq_lens[seq];
   int q_start, q_len;
@@ -70,8 +76,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   const int num_rows = q_len * group;
   const int row0 = row_tile * kBlockRows;
-  // (Never taken in decode, whose grid has ceil(group / 16) row tiles: a cluster's blocks must all
-  // reach its barriers.)
+  // (Never taken in decode, whose grid has ceil(group / 16) row tiles: a cluster's blocks, and a
+  // block pair's groups, must all reach their barriers.)
   if (row0 >= num_rows) return;
   const int first_pos = seq_len - q_len;  // kv position of new token 0
 
@@ -296,7 +302,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         }
       }
     }
-    __syncthreads();  // the next iteration's copy overwrites this stage
+    sync_group();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();
   if constexpr (kDecode) timeline.loop_end = DecodeTimeline::now();
@@ -344,9 +350,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // thread-block cluster (sm_90): each block owns half of the columns and pushes its state of
     // the other half into its peer's shared memory (stores, which need no round trip), one cluster
     // barrier, and each block writes its half of the rows to `out`: no workspace, no merge kernel.
-    // Otherwise a split block writes its normalized result and log2-sum-exp to the workspace for
-    // paged_decode_merge_kernel, and a lone block its output.
-    __syncthreads();
+    // A block pair (kGroups = 2) merges the same way, its groups' shared memory in place of the
+    // peers', a block barrier in place of the cluster's. Otherwise a split block writes its
+    // normalized result and log2-sum-exp to the workspace for paged_decode_merge_kernel, and a
+    // lone block its output.
+    sync_group();
     float* merge_o = reinterpret_cast<float*>(k_smem);  // [kWarps][16][kMergeRowStride]
     float* merge_m = merge_o + Traits::kWarps * 16 * Traits::kMergeRowStride;  // [kWarps][16]
     float* merge_l = merge_m + Traits::kWarps * 16;                            // [kWarps][16]
@@ -364,7 +372,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         merge_l[warp * 16 + r] = row_sum[0][half];
       }
     }
-    __syncthreads();
+    sync_group();
 
     constexpr int kColumns = D / 4;
     constexpr int kRowsPerPass = kThreads / kColumns;
@@ -404,20 +412,22 @@ __global__ void __launch_bounds__(Traits::kThreads)
       item_o[i] = acc;
     }
 
-    const bool in_cluster = args.merge_in_cluster;
-    bool owned = true;  // this block writes this thread's column
-    if (in_cluster) {
+    const bool pair_merge = kGroups > 1 || args.merge_in_cluster;
+    bool owned = true;  // this block (group) writes this thread's column
+    if (pair_merge) {
       constexpr int kOwnColumns = kColumns / Traits::kClusterSplits;
       constexpr int kOwnFloats = D / Traits::kClusterSplits;
       // [16][D / 2] floats of output, then [16] maxima and [16] sums (PagedAttentionTraits).
       float* incoming =
           reinterpret_cast<float*>(smem_raw + Traits::kSmemBytes - Traits::kIncomingBytes);
-      const int rank = cluster_block_rank();
+      const int rank = kGroups > 1 ? pair_group : cluster_block_rank();
       const int owner = column / kOwnColumns;
       owned = owner == rank;
-      cluster_wait();  // the arrive at the top: every block of the cluster has started
+      // The arrive at the top: every block of the cluster has started.
+      if constexpr (kGroups == 1) cluster_wait();
       if (!owned) {
-        float* peer = cluster_peer_address(incoming, owner);
+        float* peer = kGroups > 1 ? incoming + (owner - rank) * (Traits::kSmemBytes / 4)
+                                  : cluster_peer_address(incoming, owner);
         const int peer_c = c - owner * kOwnFloats;
 #pragma unroll
         for (int i = 0; i < kItems; ++i) {
@@ -430,7 +440,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
           }
         }
       }
-      cluster_barrier();  // the pushes have landed (release / acquire)
+      // The pushes have landed (release / acquire).
+      if constexpr (kGroups > 1)
+        __syncthreads();
+      else
+        cluster_barrier();
       if (owned) {
         const int own_c = c - rank * kOwnFloats;
 #pragma unroll
@@ -461,7 +475,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const float inv = l > 0.f ? 1.f / l : 0.f;
         const float4 acc = item_o[i];
         const int head = kv_head * group + row;
-        if (args.num_splits == 1 || in_cluster) {
+        if (args.num_splits == 1 || pair_merge) {
           T* dst = out + seq * p.out_stride_token + head * p.out_stride_head + c;
           uint2 packed;
           packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
@@ -485,9 +499,31 @@ inline LaunchStatus status_after_launch(const char* what) {
   return {std::string(what) + ": " + cudaGetErrorString(error)};
 }
 
+// A decode of 2 splits as block pairs: grid z = 1, both splits of a (sequence, kv head, row tile)
+// in one block (PagedAttentionTraits::kGroups).
+template <int D, typename T>
+LaunchStatus run_paged_decode_block_pairs(const PagedKernelArgs& args, int grid_rows,
+                                          cudaStream_t stream) {
+  using Traits = PagedAttentionTraits<D, true, 2>;
+  auto kernel = paged_attention_kernel<Traits, T>;
+  int64_t row_tiles = 0;
+  const LaunchStatus prepared = prepare_row_tile_launch(kernel, Traits::kBlockSmemBytes, grid_rows,
+                                                        Traits::kBlockRows, &row_tiles);
+  if (!prepared.ok()) return prepared;
+  const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
+  const dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
+                  static_cast<unsigned>(args.num_splits / Traits::kGroups));
+  kernel<<<grid, Traits::kBlockThreads, Traits::kBlockSmemBytes, stream>>>(args);
+  return status_after_launch("paged_decode_kernel (block pairs)");
+}
+
 // Launches one instantiation; grid from shapes only.
 template <int D, typename T, bool kDecode>
 LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
+  if constexpr (kDecode && paged_decode_block_pairs_compiled(D)) {
+    if (args.merge_in_block_pairs)
+      return run_paged_decode_block_pairs<D, T>(args, grid_rows, stream);
+  }
   using Traits = PagedAttentionTraits<D, kDecode>;
   auto kernel = paged_attention_kernel<Traits, T>;
   int64_t row_tiles = 0;

@@ -87,11 +87,14 @@ struct PagedAttentionParams {
 // num_splits > 1 the partial results go to the workspace and a merge kernel writes `out`, unless
 // merge_in_cluster: then the splits of a (sequence, kv head) run as one thread-block cluster
 // (sm_90, see paged_decode_can_merge_in_cluster) and merge through distributed shared memory, with
-// no workspace and no second kernel.
+// no workspace and no second kernel. merge_in_block_pairs does the same without a cluster: the 2
+// splits run as two groups of warps of one block and merge through its shared memory (where
+// paged_decode_can_merge_in_block_pairs says the pair fits the SM as well as 2 blocks do).
 struct PagedDecodeParams : PagedAttentionParams {
-  int num_splits;         // from paged_decode_num_splits(); 1 = no workspace needed
-  bool merge_in_cluster;  // only where paged_decode_can_merge_in_cluster(num_splits)
-  float* workspace;       // paged_decode_workspace_floats() floats, or null when none are needed
+  int num_splits;             // from paged_decode_num_splits(); 1 = no workspace needed
+  bool merge_in_cluster;      // only where paged_decode_can_merge_in_cluster(num_splits)
+  bool merge_in_block_pairs;  // only where paged_decode_can_merge_in_block_pairs(...)
+  float* workspace;  // paged_decode_workspace_floats() floats, or null when none are needed
 };
 
 // Which prefill kernel runs: kAuto picks (wgmma where it runs and pays, see

@@ -13,7 +13,8 @@
 // block and kBlocksPerSm blocks resident per SM, and rows that land aligned: decode tiles are
 // swizzled, not padded (see tile_offset in device_primitives.cuh; padded 272-byte rows read the
 // stream 7-8% slower, and swizzling took B=64 L=4096 from 3.96 to 4.27 TB/s, H200,
-// benchmarks/NOTES.md).
+// benchmarks/NOTES.md). Two splits of a (sequence, kv head) can share one block as two such groups
+// of warps (kGroups below), merged in its shared memory.
 //
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
@@ -30,12 +31,12 @@
 
 namespace astrai::kernels {
 
-template <int kHeadDim_, bool kDecode_>
+template <int kHeadDim_, bool kDecode_, int kGroups_ = 1>
 struct PagedAttentionTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kDecode = kDecode_;
   static constexpr int kWarps = 4;
-  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kThreads = kWarps * 32;        // one group's (see kGroups)
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row of D elements
 
   // Decode: 16 rows per block. Prefill: 2 row blocks of 16 per warp up to D = 128 (registers:
@@ -79,9 +80,24 @@ struct PagedAttentionTraits {
   // Used by the split heuristic (resident blocks per SM, from shared memory).
   static constexpr int kBlocksPerSm = (227 * 1024) / (kSmemBytes + 1024);
 
+  // Decode block pairs: kGroups = 2 puts the two splits of a (sequence, kv head, row tile) in one
+  // block as two independent groups of kWarps warps, each with its own shared-memory region
+  // (kSmemBytes: query, K/V stages, incoming states), its own pipeline and its own named barrier;
+  // they merge in shared memory at the end like a cluster pair, with no cluster. Everything above
+  // is per group.
+  static constexpr int kGroups = kGroups_;
+  static constexpr int kBlockThreads = kThreads * kGroups;
+  static constexpr int kBlockSmemBytes = kSmemBytes * kGroups;
+  static_assert(kGroups == 1 || (kDecode && kGroups == kClusterSplits), "pairs of decode splits");
+  static_assert(kSmemBytes % 128 == 0, "each group's region starts 128-byte aligned");
+
   static_assert(kHeadDim % 16 == 0, "mma k-steps of 16");
   static_assert(kWarpTileN % 16 == 0, "P V consumes kv positions 16 at a time");
   static_assert((kTileN * kChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
 };
+
+// Head dims with a block-pair decode kernel: D = 128, whose pair (2 x 104 KB) fills an H200 SM as
+// its 2 single blocks do. (D = 64 runs 3 single blocks per SM, D = 256 pairs do not fit.)
+constexpr bool paged_decode_block_pairs_compiled(int head_dim) { return head_dim == 128; }
 
 }  // namespace astrai::kernels

@@ -132,10 +132,11 @@ struct KVTileLoader {
   __device__ __forceinline__ void commit() { cp_async_commit(); }
 
   // Every step commits one group (empty or not), so "all but the newest kStages - 1 groups done"
-  // means this tile (and the query tile, committed with the first step) has landed.
+  // means this tile (and the query tile, committed with the first step) has landed. The barrier
+  // spans the loader's group of threads (Traits::kGroups).
   __device__ __forceinline__ void wait() {
     cp_async_wait<kStages - 1>();
-    __syncthreads();
+    group_barrier<Traits::kGroups, kThreads>();
   }
 };
 

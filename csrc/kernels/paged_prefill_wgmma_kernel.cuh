@@ -43,6 +43,7 @@ struct PrefillWgmmaTraits {
   static constexpr bool kDecode = false;
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = kWarpGroups * 128;
+  static constexpr int kGroups = 1;  // the K/V loader's barriers span the whole block
   static constexpr int kBlockRows = kWarpGroups * 64;  // 64 rows per warpgroup (wgmma's M)
   // kv positions per tile (S's N), see top; D = 64 multiplies half as much per tile, so it takes
   // wider tiles to carry each tile's fixed work (the barrier, the copies' issue).

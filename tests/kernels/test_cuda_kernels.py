@@ -218,18 +218,36 @@ def test_decode_long_sequence_uses_splits(dtype):
     assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
 
 
-@pytest.mark.parametrize("cluster_merge", ["1", "0"])
-@pytest.mark.parametrize("splits", [1, 2, 3, 5, 8, 9, 32])
-@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 24), (256, 8)])
-def test_decode_every_split_count_merges_the_same(
-    head_dim, group, splits, cluster_merge, monkeypatch
-):
-    """A forced split count, merged inside a thread-block cluster (sm_90 and 2 splits, unless
-    ASTR_DECODE_CLUSTER_MERGE=0) or through the workspace and the merge kernel. Lengths 1 and 100
-    leave most splits empty; group 24 takes two row tiles, the second half empty; one sequence's
-    mask hides every key (zeros)."""
+# How 2 splits merge, by the binding's tuning switches: "pairs" (the default: one block of two
+# groups of warps where it fits, D = 128 on sm_90, else a cluster), "cluster" (block pairs off)
+# and "kernel" (the workspace and the merge kernel).
+MERGE_SWITCHES = {
+    "pairs": {},
+    "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
+    "kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
+}
+
+
+def set_merge(monkeypatch, merge):
+    for name in ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in MERGE_SWITCHES[merge].items():
+        monkeypatch.setenv(name, value)
+
+
+SPLITS_AND_MERGES = [(1, "pairs"), (2, "pairs"), (2, "cluster"), (2, "kernel")]
+SPLITS_AND_MERGES += [(n, "pairs") for n in (3, 5, 8, 9, 32)]
+
+
+@pytest.mark.parametrize("splits,merge", SPLITS_AND_MERGES)
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 4), (128, 24), (256, 8)])
+def test_decode_every_split_count_merges_the_same(head_dim, group, splits, merge, monkeypatch):
+    """A forced split count; 2 splits merged in a block pair, in a cluster or by the merge kernel
+    (MERGE_SWITCHES), other counts by the merge kernel. Lengths 1 and 100 leave most splits empty;
+    group 24 takes two row tiles, the second half empty; one sequence's mask hides every key
+    (zeros)."""
     monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
-    monkeypatch.setenv("ASTR_DECODE_CLUSTER_MERGE", cluster_merge)
+    set_merge(monkeypatch, merge)
     g = torch.Generator(device="cuda").manual_seed(300 + splits + head_dim)
     lens = [1, 100, 2000, 5000]
     batch = PagedBatch(lens, [1] * 4, 2 * group, 2, head_dim, 16, torch.bfloat16, generator=g)
@@ -354,15 +372,56 @@ def test_any_scale_sign(decode, scale, prefill_kernel):
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
-@pytest.mark.parametrize("splits,cluster_merge", [(None, "1"), (2, "1"), (2, "0"), (24, "1")])
-def test_decode_cuda_graph_replay_with_growing_lengths(splits, cluster_merge, monkeypatch):
+def launched_kernel_names(call):
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="block pairs and clusters: an sm_90 GPU",
+)
+@pytest.mark.parametrize(
+    "head_dim,merge,expected",
+    [
+        (128, "pairs", "PagedAttentionTraits<128, true, 2>"),
+        (128, "cluster", "PagedAttentionTraits<128, true, 1>"),
+        (128, "kernel", "paged_decode_merge_kernel"),
+        (64, "pairs", "PagedAttentionTraits<64, true, 1>"),  # 3 single blocks per SM: no pairs
+    ],
+)
+def test_decode_two_splits_run_the_chosen_merge(head_dim, merge, expected, monkeypatch):
+    """On the H200 two splits run as block pairs at D = 128 (one launch, no merge kernel), as a
+    cluster with block pairs off, and with the merge kernel with both off."""
+    monkeypatch.setenv("ASTR_DECODE_SPLITS", "2")
+    set_merge(monkeypatch, merge)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    batch = PagedBatch([300, 2000], [1, 1], 8, 2, head_dim, 16, torch.bfloat16, generator=g)
+    names = launched_kernel_names(lambda: run_decode(batch))
+    attention = [n for n in names if "paged_attention_kernel" in n or "merge_kernel" in n]
+    assert any(expected in n for n in attention), attention
+    assert (merge == "kernel") == any("merge_kernel" in n for n in attention), attention
+    ref = reference(batch, batch.q, True, 1.0 / math.sqrt(head_dim))
+    assert_close(run_decode(batch), ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "splits,merge", [(None, "pairs"), (2, "pairs"), (2, "cluster"), (2, "kernel"), (24, "pairs")]
+)
+def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, monkeypatch):
     """Capture one decode step, then replay it as the sequences grow: the split count and the
     workspace come from shapes, the per-split chunk from the seq_lens read on the device. With the
-    heuristic's split count, and forced to 2 (merged in a cluster on sm_90, or by the merge kernel)
-    and to 24 (the merge kernel)."""
+    heuristic's split count, and forced to 2 (merged in a block pair or a cluster on sm_90, or by
+    the merge kernel) and to 24 (the merge kernel)."""
     if splits is not None:
         monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
-    monkeypatch.setenv("ASTR_DECODE_CLUSTER_MERGE", cluster_merge)
+    set_merge(monkeypatch, merge)
     g = torch.Generator(device="cuda").manual_seed(21)
     hq, hkv, d, page = 32, 8, 128, 16
     max_len = 4096

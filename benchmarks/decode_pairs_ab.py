@@ -1,0 +1,166 @@
+"""Decode at 2 splits: block pairs against cluster pairs, the merge kernel and SDPA cuDNN (GPU).
+
+    ASTR_TUNE_KERNELS=1 python3 benchmarks/decode_pairs_ab.py [--rounds 5] [--out DIR]
+
+Where the split rule picks 2 splits (from 89 to 132 (sequence, kv head) pairs on 132 SMs), the
+cuda backend runs them as block pairs (one block of two groups of 4 warps, merged in its shared
+memory), as a 2-block cluster (merged through distributed shared memory; ASTR_DECODE_BLOCK_PAIRS=0)
+or as 2 blocks and the merge kernel (ASTR_DECODE_CLUSTER_MERGE=0). The binding reads the switches
+on every call, so the variants alternate in one process, round after round: the table holds the
+median over rounds of each round's median, with bench_attention.py's timer (256 MB read before
+every call, CUDA events), and each variant's kernel time from the profiler. Outputs agree with
+torch_native (rel L2 < 2e-2) before anything is timed. The last two shapes are controls (1 and 33
+splits: every variant runs the same kernels there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_attention as bench  # noqa: E402
+from decode_fixed_cost import kernel_us  # noqa: E402
+
+HQ, HEAD_DIM = 32, 128
+SHAPES = [(16, 512, 8), (16, 2048, 8), (16, 4096, 8), (16, 8192, 8), (16, 32768, 8)]
+SHAPES += [(12, 2048, 8), (12, 4096, 8), (4, 4096, 32)]
+# Controls: 1 split (B=64) and 33 splits (B=1), where every variant runs the same kernels, so
+# their spread is the noise of the measurement.
+SHAPES += [(64, 4096, 8), (1, 32768, 8)]
+SWITCHES = {
+    "pairs": {},
+    "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
+    "merge_kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
+}
+SWITCH_NAMES = ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE")
+VARIANTS = list(SWITCHES) + ["cudnn"]
+
+
+def with_switches(switches: dict, call):
+    def run():
+        for name in SWITCH_NAMES:
+            os.environ.pop(name, None)
+        os.environ.update(switches)
+        return call()
+
+    return run
+
+
+def measure_shape(timer: bench.Timer, batch: int, length: int, hkv: int, rounds: int) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, kwargs = bench.uniform_decode_call(batch, length, HQ, hkv, HEAD_DIM)
+    expected = torch.ops.astr.attention(q, backend="torch_native", **kwargs).float()
+    calls = {
+        name: with_switches(switches, lambda: torch.ops.astr.attention(q, backend="cuda", **kwargs))
+        for name, switches in SWITCHES.items()
+    }
+    k = torch.randn(batch, hkv, length, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    q_sdpa = q.view(batch, HQ, 1, HEAD_DIM)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q_sdpa, k, v, enable_gqa=HQ != hkv)
+
+    calls["cudnn"] = cudnn
+    for name in SWITCHES:
+        out = calls[name]().float()
+        error = float((out - expected).norm() / expected.norm())
+        if error > 2e-2:
+            raise RuntimeError(f"{name} B={batch} L={length}: rel L2 {error:.2e}")
+    times: dict = {}
+    for _ in range(rounds):
+        for name in VARIANTS:
+            times.setdefault(name, []).append(timer.measure(calls[name])["ms"])
+    kernels = {name: kernel_us(calls[name], timer) for name in VARIANTS}
+    for name in SWITCH_NAMES:
+        os.environ.pop(name, None)
+    nbytes = bench.decode_bytes(batch, length, HQ, hkv, HEAD_DIM)
+    row = dict(B=batch, L=length, Hkv=hkv)
+    for name, ms in times.items():
+        median = sorted(ms)[len(ms) // 2]
+        row[name + "_us"] = round(median * 1e3, 2)
+        row[name] = round(nbytes / (median / 1e3) / 1e12, 3)
+        row[name + "_kernels"] = kernels[name]
+    return row
+
+
+def markdown(rows: list, copy: float, env: str, command: str) -> str:
+    lines = [
+        "# Decode at 2 splits: block pairs vs cluster pairs vs the merge kernel vs SDPA cuDNN",
+        "",
+        f"{env}. Command: `{command}`. bf16, Hq=32, D=128, page 16 (shuffled pages). Effective"
+        f" TB/s (% of the copy rate measured in this run, {copy:.2f} TB/s; us per call), L2 emptied"
+        " by a 256 MB read before each call; then the kernels' device time (profiler, us).",
+        "",
+        "| B | L | Hkv | " + " | ".join(VARIANTS) + " | pairs / cluster |",
+        "|" + " --- |" * (4 + len(VARIANTS)),
+    ]
+    for r in rows:
+        cells = [str(r["B"]), str(r["L"]), str(r["Hkv"])]
+        cells += [f"{r[v]:.2f} ({100 * r[v] / copy:.0f}%, {r[v + '_us']:.1f})" for v in VARIANTS]
+        cells.append(f"{r['pairs'] / r['cluster']:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Kernel device time (us, profiler, median of 10):", ""]
+    lines += [
+        "| B | L | Hkv | " + " | ".join(VARIANTS) + " |",
+        "|" + " --- |" * (3 + len(VARIANTS)),
+    ]
+    for r in rows:
+        cells = [str(r["B"]), str(r["L"]), str(r["Hkv"])]
+        for v in VARIANTS:
+            ks = r[v + "_kernels"]
+            cells.append(" + ".join(f"{t:.1f}" for t in ks.values()) if ks else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--shapes", default=None, help="BxLxHkv,... (default: SHAPES)")
+    parser.add_argument("--out", default=None, help="write decode_pairs_ab.md/.json here")
+    args = parser.parse_args()
+    if "ASTR_TUNE_KERNELS" not in os.environ:
+        sys.exit("set ASTR_TUNE_KERNELS=1 (the binding reads the switches only then)")
+    import astrai.extension  # noqa: F401  (loads the library)
+
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    torch.manual_seed(0)
+    timer = bench.Timer(warmup=3, repeats=args.repeats)
+    copy_bytes, copy_ms = bench._copy_ms(timer)
+    copy = copy_bytes / (copy_ms / 1e3) / 1e12
+    bench.free_cached()
+    print(f"copy {copy:.2f} TB/s", flush=True)
+    rows = []
+    for batch, length, hkv in shapes:
+        row = measure_shape(timer, batch, length, hkv, args.rounds)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        bench.free_cached()
+    props = torch.cuda.get_device_properties(0)
+    env = f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    command = "ASTR_TUNE_KERNELS=1 python3 benchmarks/decode_pairs_ab.py " + " ".join(sys.argv[1:])
+    text = markdown(rows, copy, env, command.strip())
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode_pairs_ab.md").write_text(text)
+        result = dict(env=env, command=command, copy_TBps=copy, rows=rows)
+        (out / "decode_pairs_ab.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
