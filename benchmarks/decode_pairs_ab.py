@@ -35,7 +35,7 @@ SHAPES += [(12, 2048, 8), (12, 4096, 8), (4, 4096, 32)]
 # their spread is the noise of the measurement.
 SHAPES += [(64, 4096, 8), (1, 32768, 8)]
 SWITCHES = {
-    "pairs": {},
+    "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1"},
     "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
     "merge_kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
 }

@@ -5,9 +5,10 @@
 For each shape, times the cuda backend's decode with every split count (forced through
 ASTR_DECODE_SPLITS, which the binding reads when ASTR_TUNE_KERNELS is set) and with the built-in
 heuristic, with bench_attention.py's timer (L2 flushed, CUDA events, medians), and checks each
-output against torch_native. Split counts above 1 are timed twice: with the in-cluster merge
-allowed (sm_90 uses it for 2 splits, see paged_attention_dispatch.cu) and with the merge kernel
-(ASTR_DECODE_CLUSTER_MERGE=0). Writes decode_splits.json and decode_splits.md.
+output against torch_native. Split counts above 1 are timed twice: with the in-block or in-cluster
+merge allowed (sm_90 merges 2 splits in a block pair or a cluster, see paged_attention_dispatch.cu;
+rows "pair/cluster") and with the merge kernel (ASTR_DECODE_CLUSTER_MERGE=0). Writes
+decode_splits.json and decode_splits.md.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def main() -> None:
         q, kwargs = bench.uniform_decode_call(batch, length, hq, hkv, d)
         expected = torch.ops.astr.attention(q, backend="torch_native", **kwargs).float()
         nbytes = bench.decode_bytes(batch, length, hq, hkv, d)
-        merges = {0: ("cluster", "kernel"), 1: ("-",), 2: ("cluster", "kernel")}
+        merges = {0: ("pair/cluster", "kernel"), 1: ("-",), 2: ("pair/cluster", "kernel")}
         for splits, merge in [(s, m) for s in splits_list for m in merges.get(s, ("kernel",))]:
             if splits and splits > -(-length // 64):
                 continue

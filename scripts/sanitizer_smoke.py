@@ -15,7 +15,7 @@ import astrai.extension  # noqa: F401, E402  (loads the library)
 
 # The binding's switches of each way to merge 2 decode splits (read on every call).
 MERGES = (
-    {},  # block pairs where they fit, else a cluster
+    {"ASTR_DECODE_BLOCK_PAIRS": "1"},  # block pairs where they run (D = 128), else a cluster
     {"ASTR_DECODE_BLOCK_PAIRS": "0"},  # a cluster
     {"ASTR_DECODE_CLUSTER_MERGE": "0"},  # the merge kernel
 )

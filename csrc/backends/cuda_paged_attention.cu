@@ -22,7 +22,8 @@ namespace {
 // Tuning hooks for benchmarks/sweep_decode_splits.py, the A/B runs and the kernel tests: with
 // ASTR_TUNE_KERNELS set before the first call, ASTR_DECODE_SPLITS forces the decode split count,
 // ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster and in-block merges off (the merge kernel),
-// ASTR_DECODE_BLOCK_PAIRS=0 the block pairs only (clusters where they run), ASTR_PREFILL_WGMMA=0
+// ASTR_DECODE_BLOCK_PAIRS=0 the block pairs only (clusters where they run) and =1 runs block pairs
+// wherever they can, also on grids they do not fill, ASTR_PREFILL_WGMMA=0
 // keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
 // head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
@@ -33,6 +34,11 @@ bool tuning_switch_is_off(const char* name) {
   if (!kernel_tuning()) return false;
   const char* value = std::getenv(name);
   return value != nullptr && std::string(value) == "0";
+}
+bool tuning_switch_is_on(const char* name) {
+  if (!kernel_tuning()) return false;
+  const char* value = std::getenv(name);
+  return value != nullptr && std::string(value) == "1";
 }
 kernels::PrefillKernel prefill_kernel_override() {
   if (!kernel_tuning()) return kernels::PrefillKernel::kAuto;
@@ -215,8 +221,11 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         kernels::paged_decode_num_splits(base.num_seqs, base.num_q_heads, base.num_kv_heads,
                                          static_cast<int>(max_kv_len), base.head_dim, num_sms);
     if (const int forced = decode_split_count_override(); forced > 0) params.num_splits = forced;
+    const bool pairs_fill_gpu = kernels::paged_decode_block_pairs_fill_gpu(
+        base.num_seqs, base.num_q_heads, base.num_kv_heads, num_sms);
     params.merge_in_block_pairs =
         kernels::paged_decode_can_merge_in_block_pairs(params.num_splits, base.head_dim) &&
+        (pairs_fill_gpu || tuning_switch_is_on("ASTR_DECODE_BLOCK_PAIRS")) &&
         !tuning_switch_is_off("ASTR_DECODE_BLOCK_PAIRS") &&
         !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
     params.merge_in_cluster = !params.merge_in_block_pairs &&

@@ -179,6 +179,14 @@ bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim) {
          paged_decode_block_pairs_compiled(head_dim) && current_device_fits_decode_block_pairs();
 }
 
+bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,
+                                       int num_sms) {
+  if (num_seqs <= 0 || num_kv_heads <= 0) return false;
+  const int group = std::max(1, num_q_heads / num_kv_heads);
+  const int64_t pair_blocks = (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
+  return decode_block_pairs_fill_gpu(pair_blocks, num_sms);
+}
+
 size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,
                                      int num_q_heads, int head_dim) {
   if (num_splits <= 1 || merge_in_cluster) return 0;

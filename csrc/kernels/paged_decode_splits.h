@@ -37,4 +37,14 @@ constexpr int decode_splits_filling_one_wave(int64_t blocks_per_split, int64_t r
   return static_cast<int>(std::clamp<int64_t>(std::min(fitting, max_tiles), 1, kMaxSplits));
 }
 
+// Whether block pairs (the 2 splits of a (sequence, kv head, row tile) as one block on one SM, see
+// PagedAttentionTraits::kGroups) cover more than 2/3 of the SMs. Where they do not, 2 single blocks
+// per pair spread over twice as many SMs stream faster (H200, B=8 L=32768 with 2 splits forced, 64
+// pair blocks: 350 us as pairs, 278 us as 2 blocks and the merge kernel; one SM reads at most ~48
+// GB/s). The one-wave rule above gives 2 splits only to grids of more than a third of the slots,
+// which with 2 slots per SM is more than 2/3 of the SMs: always covered; forced counts need not be.
+constexpr bool decode_block_pairs_fill_gpu(int64_t pair_blocks, int64_t num_sms) {
+  return pair_blocks > 0 && num_sms > 0 && 3 * pair_blocks > 2 * num_sms;
+}
+
 }  // namespace astrai::kernels

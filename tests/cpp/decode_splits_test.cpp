@@ -9,6 +9,7 @@
 
 namespace {
 
+using astrai::kernels::decode_block_pairs_fill_gpu;
 using astrai::kernels::decode_splits_filling_one_wave;
 
 constexpr int64_t kH200Slots = 132 * 2;
@@ -40,6 +41,26 @@ TEST(DecodeSplits, DegenerateShapesTakeOneSplit) {
   EXPECT_EQ(decode_splits_filling_one_wave(0, kH200Slots, tiles(4096)), 1);
   EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), 0, tiles(4096)), 1);
   EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), kH200Slots, 0), 1);
+}
+
+TEST(DecodeBlockPairs, TakeMoreThanTwoThirdsOfTheSms) {
+  EXPECT_TRUE(decode_block_pairs_fill_gpu(pairs(16), 132));   // 128 pair blocks
+  EXPECT_TRUE(decode_block_pairs_fill_gpu(pairs(12), 132));   // 96, measured faster than 2 blocks
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(pairs(11), 132));  // 88 = 2/3 of 132
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(pairs(8), 132));   // 64, measured 1.26x slower
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(0, 132));
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(pairs(16), 0));
+}
+
+TEST(DecodeBlockPairs, EveryTwoSplitGridOfTheRuleIsFilled) {
+  // Wherever the one-wave rule gives 2 splits, the pairs cover more than 2/3 of the SMs.
+  int two_split_grids = 0;
+  for (int64_t blocks = 1; blocks <= 400; ++blocks) {
+    if (decode_splits_filling_one_wave(blocks, kH200Slots, tiles(32768)) != 2) continue;
+    ++two_split_grids;
+    EXPECT_TRUE(decode_block_pairs_fill_gpu(blocks, 132)) << blocks;
+  }
+  EXPECT_EQ(two_split_grids, 132 - 88);  // 89 to 132 pair blocks
 }
 
 }  // namespace

@@ -218,11 +218,13 @@ def test_decode_long_sequence_uses_splits(dtype):
     assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
 
 
-# How 2 splits merge, by the binding's tuning switches: "pairs" (the default: one block of two
-# groups of warps where it fits, D = 128 on sm_90, else a cluster), "cluster" (block pairs off)
-# and "kernel" (the workspace and the merge kernel).
+# How 2 splits merge, by the binding's tuning switches: "auto" (block pairs where they run, D = 128
+# on sm_90, and fill the GPU; else a cluster on sm_90, else the merge kernel), "pairs" (one block
+# of two groups of warps wherever that runs, else as auto), "cluster" (block pairs off) and
+# "kernel" (the workspace and the merge kernel).
 MERGE_SWITCHES = {
-    "pairs": {},
+    "auto": {},
+    "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1"},
     "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
     "kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
 }
@@ -235,8 +237,8 @@ def set_merge(monkeypatch, merge):
         monkeypatch.setenv(name, value)
 
 
-SPLITS_AND_MERGES = [(1, "pairs"), (2, "pairs"), (2, "cluster"), (2, "kernel")]
-SPLITS_AND_MERGES += [(n, "pairs") for n in (3, 5, 8, 9, 32)]
+SPLITS_AND_MERGES = [(1, "auto"), (2, "pairs"), (2, "cluster"), (2, "kernel")]
+SPLITS_AND_MERGES += [(n, "auto") for n in (3, 5, 8, 9, 32)]
 
 
 @pytest.mark.parametrize("splits,merge", SPLITS_AND_MERGES)
@@ -383,26 +385,39 @@ def launched_kernel_names(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+PAIR_KERNEL = "PagedAttentionTraits<128, true, 2>"
+SINGLE_KERNEL = "PagedAttentionTraits<128, true, 1>"
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="block pairs and clusters: an sm_90 GPU",
 )
 @pytest.mark.parametrize(
-    "head_dim,merge,expected",
+    "batch_size,head_dim,merge,expected",
     [
-        (128, "pairs", "PagedAttentionTraits<128, true, 2>"),
-        (128, "cluster", "PagedAttentionTraits<128, true, 1>"),
-        (128, "kernel", "paged_decode_merge_kernel"),
-        (64, "pairs", "PagedAttentionTraits<64, true, 1>"),  # 3 single blocks per SM: no pairs
+        (16, 128, "auto", PAIR_KERNEL),  # 128 pair blocks: the split rule's 2, as pairs
+        (2, 128, "auto", SINGLE_KERNEL),  # 4 pair blocks do not fill the GPU: a cluster
+        (2, 128, "pairs", PAIR_KERNEL),
+        (16, 128, "cluster", SINGLE_KERNEL),
+        (16, 128, "kernel", "paged_decode_merge_kernel"),
+        (2, 64, "pairs", "PagedAttentionTraits<64, true, 1>"),  # 3 blocks per SM: no pair kernel
     ],
 )
-def test_decode_two_splits_run_the_chosen_merge(head_dim, merge, expected, monkeypatch):
-    """On the H200 two splits run as block pairs at D = 128 (one launch, no merge kernel), as a
-    cluster with block pairs off, and with the merge kernel with both off."""
-    monkeypatch.setenv("ASTR_DECODE_SPLITS", "2")
+def test_decode_two_splits_run_the_chosen_merge(batch_size, head_dim, merge, expected, monkeypatch):
+    """On the H200 two splits run as block pairs at D = 128 where the pairs fill the GPU (one
+    launch, no merge kernel), as a cluster where they do not or with block pairs off, and with the
+    merge kernel with both off. Batch 16 (Hkv = 8) takes 2 splits from the split rule; batch 2 is
+    forced to 2."""
+    if batch_size == 2:
+        monkeypatch.setenv("ASTR_DECODE_SPLITS", "2")
     set_merge(monkeypatch, merge)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    batch = PagedBatch([300, 2000], [1, 1], 8, 2, head_dim, 16, torch.bfloat16, generator=g)
+    g = torch.Generator(device="cuda").manual_seed(5 + batch_size)
+    lens = torch.randint(1, 2500, (batch_size,), generator=g, device="cuda").tolist()
+    q_heads, kv_heads = (32, 8) if batch_size == 16 else (8, 2)
+    batch = PagedBatch(
+        lens, [1] * batch_size, q_heads, kv_heads, head_dim, 16, torch.bfloat16, generator=g
+    )
     names = launched_kernel_names(lambda: run_decode(batch))
     attention = [n for n in names if "paged_attention_kernel" in n or "merge_kernel" in n]
     assert any(expected in n for n in attention), attention
@@ -412,7 +427,7 @@ def test_decode_two_splits_run_the_chosen_merge(head_dim, merge, expected, monke
 
 
 @pytest.mark.parametrize(
-    "splits,merge", [(None, "pairs"), (2, "pairs"), (2, "cluster"), (2, "kernel"), (24, "pairs")]
+    "splits,merge", [(None, "auto"), (2, "pairs"), (2, "cluster"), (2, "kernel"), (24, "auto")]
 )
 def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, monkeypatch):
     """Capture one decode step, then replay it as the sequences grow: the split count and the
