@@ -41,8 +41,8 @@ bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim);
 bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,
                                        int num_sms);
 // Float workspace the decode needs for `num_splits` (0 when num_splits == 1 or the splits merge in
-// a cluster).
-size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,
+// place: in a cluster or a block pair).
+size_t paged_decode_workspace_floats(int num_splits, bool merged_in_place, int num_tokens,
                                      int num_q_heads, int head_dim);
 
 // Whether the wgmma prefill kernel (D = 64 or 128) can run here: a library built for sm_90a, on

@@ -187,9 +187,9 @@ bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv
   return decode_block_pairs_fill_gpu(pair_blocks, num_sms);
 }
 
-size_t paged_decode_workspace_floats(int num_splits, bool merge_in_cluster, int num_tokens,
+size_t paged_decode_workspace_floats(int num_splits, bool merged_in_place, int num_tokens,
                                      int num_q_heads, int head_dim) {
-  if (num_splits <= 1 || merge_in_cluster) return 0;
+  if (num_splits <= 1 || merged_in_place) return 0;
   return (size_t)num_splits * num_tokens * num_q_heads * (head_dim + 1);
 }
 
