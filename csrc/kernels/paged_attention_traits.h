@@ -14,7 +14,9 @@
 // swizzled, not padded (see tile_offset in device_primitives.cuh; padded 272-byte rows read the
 // stream 7-8% slower, and swizzling took B=64 L=4096 from 3.96 to 4.27 TB/s, H200,
 // benchmarks/NOTES.md). Two splits of a (sequence, kv head) can share one block as two such groups
-// of warps (kGroups below), merged in its shared memory.
+// of warps (kGroups below), merged in its shared memory. SDPA cuDNN's shape (128-position tiles,
+// one block of 4 warps per SM, no split at B >= 16) measured 0.92-0.985x of these 64-position
+// tiles in this kernel (results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
 //
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V

@@ -15,8 +15,10 @@
 // layout: Traits::kWgmmaTiles (swizzled_128b_tile_offset, for wgmma), else Traits::kSwizzle and
 // Traits::kRowStride (tile_offset); both in device_primitives.cuh.
 //
-// Measured alternative (benchmarks/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
-// completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower.
+// Measured alternatives (benchmarks/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
+// completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower; TMA
+// boxes of whole pages (128-byte swizzled, 2-8 KB, on an mbarrier per stage) ran decode 0.91-0.995x
+// as fast (H200, results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
 #pragma once
 
 #include <cuda_runtime.h>
