@@ -499,46 +499,26 @@ inline LaunchStatus status_after_launch(const char* what) {
   return {std::string(what) + ": " + cudaGetErrorString(error)};
 }
 
-// A decode of 2 splits as block pairs: grid z = 1, both splits of a (sequence, kv head, row tile)
-// in one block (PagedAttentionTraits::kGroups).
-template <int D, typename T>
-LaunchStatus run_paged_decode_block_pairs(const PagedKernelArgs& args, int grid_rows,
-                                          cudaStream_t stream) {
-  using Traits = PagedAttentionTraits<D, true, 2>;
+// Launches one instantiation (grid from shapes only): in decode, the splits of a (sequence, kv
+// head, row tile) are grid z, as a cluster (merge_in_cluster), as block pairs (Traits::kGroups = 2:
+// both splits in one block, grid z halved) or followed by the merge kernel.
+template <typename Traits, typename T>
+LaunchStatus launch_paged_attention(const PagedKernelArgs& args, int grid_rows,
+                                    cudaStream_t stream) {
+  constexpr bool kDecode = Traits::kDecode;
+  constexpr bool kPairs = Traits::kGroups > 1;
   auto kernel = paged_attention_kernel<Traits, T>;
-  int64_t row_tiles = 0;
-  const LaunchStatus prepared = prepare_row_tile_launch(kernel, Traits::kBlockSmemBytes, grid_rows,
-                                                        Traits::kBlockRows, &row_tiles);
+  dim3 grid;
+  const LaunchStatus prepared = prepare_row_tile_launch(
+      kernel, Traits::kBlockSmemBytes, args.base, grid_rows, Traits::kBlockRows,
+      kDecode ? args.num_splits / Traits::kGroups : 1, &grid);
   if (!prepared.ok()) return prepared;
-  const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
-  const dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
-                  static_cast<unsigned>(args.num_splits / Traits::kGroups));
-  kernel<<<grid, Traits::kBlockThreads, Traits::kBlockSmemBytes, stream>>>(args);
-  return status_after_launch("paged_decode_kernel (block pairs)");
-}
-
-// Launches one instantiation; grid from shapes only.
-template <int D, typename T, bool kDecode>
-LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
-  if constexpr (kDecode && paged_decode_block_pairs_compiled(D)) {
-    if (args.merge_in_block_pairs)
-      return run_paged_decode_block_pairs<D, T>(args, grid_rows, stream);
-  }
-  using Traits = PagedAttentionTraits<D, kDecode>;
-  auto kernel = paged_attention_kernel<Traits, T>;
-  int64_t row_tiles = 0;
-  const LaunchStatus prepared = prepare_row_tile_launch(kernel, Traits::kSmemBytes, grid_rows,
-                                                        Traits::kBlockRows, &row_tiles);
-  if (!prepared.ok()) return prepared;
-  const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
-  dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
-            kDecode ? args.num_splits : 1);
-  if (kDecode && args.merge_in_cluster) {
+  if (kDecode && !kPairs && args.merge_in_cluster) {
     // The num_splits blocks of a (sequence, kv head, row tile) are one cluster (grid z = splits).
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
-    config.blockDim = dim3(Traits::kThreads);
-    config.dynamicSmemBytes = Traits::kSmemBytes;
+    config.blockDim = dim3(Traits::kBlockThreads);
+    config.dynamicSmemBytes = Traits::kBlockSmemBytes;
     config.stream = stream;
     cudaLaunchAttribute attribute[1];
     attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -553,10 +533,11 @@ LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cud
               " splits): " + cudaGetErrorString(launched)};
     return status_after_launch("paged_decode_kernel");
   }
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
-  LaunchStatus status =
-      status_after_launch(kDecode ? "paged_decode_kernel" : "paged_prefill_kernel");
-  if (!status.ok() || !kDecode || args.num_splits == 1) return status;
+  kernel<<<grid, Traits::kBlockThreads, Traits::kBlockSmemBytes, stream>>>(args);
+  LaunchStatus status = status_after_launch(
+      !kDecode ? "paged_prefill_kernel"
+               : (kPairs ? "paged_decode_kernel (block pairs)" : "paged_decode_kernel"));
+  if (!status.ok() || !kDecode || kPairs || args.num_splits == 1) return status;
   const int64_t rows = (int64_t)args.base.num_tokens * args.base.num_q_heads;
   // On sm_90 the merge is a programmatic dependent launch: its blocks are scheduled while the
   // attention kernel's last blocks run and wait in griddepcontrol.wait, which removes the launch
@@ -573,10 +554,22 @@ LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cud
     config.attrs = attribute;
     config.numAttrs = 1;
   }
-  const cudaError_t launched = cudaLaunchKernelEx(&config, paged_decode_merge_kernel<T, D>, args);
+  const cudaError_t launched =
+      cudaLaunchKernelEx(&config, paged_decode_merge_kernel<T, Traits::kHeadDim>, args);
   if (launched != cudaSuccess)
     return {std::string("paged_decode_merge_kernel: ") + cudaGetErrorString(launched)};
   return status_after_launch("paged_decode_merge_kernel");
+}
+
+// Launches the instantiation the arguments ask for: the block pair kernel where the decode merges
+// in block pairs, else the kernel of single groups.
+template <int D, typename T, bool kDecode>
+LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
+  if constexpr (kDecode && paged_decode_block_pairs_compiled(D)) {
+    if (args.merge_in_block_pairs)
+      return launch_paged_attention<PagedAttentionTraits<D, true, 2>, T>(args, grid_rows, stream);
+  }
+  return launch_paged_attention<PagedAttentionTraits<D, kDecode>, T>(args, grid_rows, stream);
 }
 
 #define ASTRAI_INSTANTIATE_PAGED_ATTENTION(D, DECODE)                                              \

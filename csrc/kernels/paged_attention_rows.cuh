@@ -78,17 +78,21 @@ __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
   return keep;
 }
 
-// Host: lets `kernel` use `smem_bytes` of dynamic shared memory and counts the row tiles of
-// `block_rows` rows that cover grid_rows rows (at most 65535, grid y).
+// Host: lets `kernel` use `smem_bytes` of dynamic shared memory and sets the grid every paged
+// attention launch uses: x = (sequence, kv head) pairs of `p`, y = the row tiles of `block_rows`
+// rows that cover grid_rows rows (at most 65535), z = grid_z.
 template <typename Kernel>
-LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, int grid_rows, int block_rows,
-                                     int64_t* row_tiles) {
+LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedAttentionParams& p,
+                                     int grid_rows, int block_rows, int grid_z, dim3* grid) {
   const cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (error != cudaSuccess)
     return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
-  *row_tiles = (grid_rows + block_rows - 1) / block_rows;
-  if (*row_tiles > 65535) return {"paged attention: too many query rows for one launch"};
+  const int64_t row_tiles = (grid_rows + block_rows - 1) / block_rows;
+  if (row_tiles > 65535) return {"paged attention: too many query rows for one launch"};
+  const int64_t seq_heads = (int64_t)p.num_seqs * p.num_kv_heads;
+  *grid = dim3(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
+               static_cast<unsigned>(grid_z));
   return {};
 }
 

@@ -276,12 +276,10 @@ LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, int grid_rows,
                                      cudaStream_t stream) {
   using Traits = PrefillWgmmaTraits<D>;
   auto kernel = paged_prefill_wgmma_kernel<Traits, T>;
-  int64_t row_tiles = 0;
-  const LaunchStatus prepared = prepare_row_tile_launch(kernel, Traits::kSmemBytes, grid_rows,
-                                                        Traits::kBlockRows, &row_tiles);
+  dim3 grid;
+  const LaunchStatus prepared = prepare_row_tile_launch(kernel, Traits::kSmemBytes, args.base,
+                                                        grid_rows, Traits::kBlockRows, 1, &grid);
   if (!prepared.ok()) return prepared;
-  const int64_t seq_heads = (int64_t)args.base.num_seqs * args.base.num_kv_heads;
-  dim3 grid(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles), 1);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess)
