@@ -97,24 +97,35 @@ int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int
   return decode_splits_filling_one_wave(blocks_per_split, slots, tiles);
 }
 
-// Clusters, programmatic dependent launch and the wgmma prefill depend on the arch, and every
-// split decode and prefill launch asks, so the answer is kept per device (0 = not yet asked).
-int current_device_arch() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];  // static storage: zero-initialised
+// An answer about the current device that every launch may ask for, kept per device: `compute`
+// (device -> answer, 0 = could not tell) runs once per device; a 0 is not kept. `known` is a
+// function-local static array (zero-initialised: not yet asked).
+constexpr int kMaxCachedDevices = 64;
+template <typename Compute>
+int current_device_answer(std::atomic<int> (&known)[kMaxCachedDevices], Compute compute) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device >= 0 && device < kMaxDevices) {
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  if (cached) {
     const int answer = known[device].load(std::memory_order_relaxed);
     if (answer != 0) return answer;
   }
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
-    return 0;
-  const int arch = major * 10 + minor;
-  if (device >= 0 && device < kMaxDevices) known[device].store(arch, std::memory_order_relaxed);
-  return arch;
+  const int answer = compute(device);
+  if (cached && answer != 0) known[device].store(answer, std::memory_order_relaxed);
+  return answer;
+}
+
+// Clusters, programmatic dependent launch and the wgmma prefill depend on the arch, and every
+// split decode and prefill launch asks.
+int current_device_arch() {
+  static std::atomic<int> known[kMaxCachedDevices];
+  return current_device_answer(known, [](int device) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+      return 0;
+    return major * 10 + minor;
+  });
 }
 
 // Where the wgmma prefill beats the mma.sync one (H200, causal bf16, bench_attention.py --quick,
@@ -145,28 +156,23 @@ bool paged_decode_can_merge_in_cluster(int num_splits) {
 
 // Whether an SM of the current device holds the D = 128 block pair as well as 2 single blocks:
 // the pair fits one block's shared memory, and the SM holds half as many pairs as single blocks
-// (else pairs would leave slots of the one-wave split rule empty). Kept per device like the arch
-// (0 = not yet asked, 1 = no, 2 = yes).
+// (else pairs would leave slots of the one-wave split rule empty). Kept per device (1 = no,
+// 2 = yes).
 static bool current_device_fits_decode_block_pairs() {
   using Pair = PagedAttentionTraits<128, true, 2>;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const bool cached = device >= 0 && device < kMaxDevices;
-  if (cached && known[device].load(std::memory_order_relaxed) != 0)
-    return known[device].load(std::memory_order_relaxed) == 2;
-  int optin = 0, per_sm = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-          cudaSuccess ||
-      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
-          cudaSuccess)
-    return false;
-  const int pairs_per_sm = per_sm / (Pair::kBlockSmemBytes + 1024);
-  const bool fits = optin >= Pair::kBlockSmemBytes &&
-                    2 * pairs_per_sm >= PagedAttentionTraits<128, true>::kBlocksPerSm;
-  if (cached) known[device].store(fits ? 2 : 1, std::memory_order_relaxed);
-  return fits;
+  static std::atomic<int> known[kMaxCachedDevices];
+  return current_device_answer(known, [](int device) {
+           int optin = 0, per_sm = 0;
+           if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+                   cudaSuccess ||
+               cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                      device) != cudaSuccess)
+             return 0;
+           const int pairs_per_sm = per_sm / (Pair::kBlockSmemBytes + 1024);
+           const bool fits = optin >= Pair::kBlockSmemBytes &&
+                             2 * pairs_per_sm >= PagedAttentionTraits<128, true>::kBlocksPerSm;
+           return fits ? 2 : 1;
+         }) == 2;
 }
 
 // Block pairs against clusters of 2 on the H200 (bf16, Hq=32, D=128, page 16, us per call, two
