@@ -418,6 +418,13 @@ def ms_to_s(ms: float) -> float:
     return ms / 1e3
 
 
+def median_round(samples_ms: Sequence[float], nbytes: int) -> Tuple[float, float]:
+    """The A/B scripts' reading of one variant's per-round times: the upper median (ms) and the
+    effective TB/s that `nbytes` moved in it."""
+    median = sorted(samples_ms)[len(samples_ms) // 2]
+    return median, nbytes / ms_to_s(median) / 1e12
+
+
 # --------------------------------------------------------------------------------------------
 # Running one peer on one shape
 # --------------------------------------------------------------------------------------------

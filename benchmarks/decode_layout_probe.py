@@ -130,8 +130,7 @@ def probe_shape(timer: bench.Timer, batch: int, length: int, hkv: int, rounds: i
     nbytes = bench.decode_bytes(batch, length, HQ, hkv, HEAD_DIM)
     row = dict(B=batch, L=length, Hkv=hkv)
     for (name, warm), ms in times.items():
-        median = sorted(ms)[len(ms) // 2]
-        row[name + ("_warm" if warm else "")] = round(nbytes / (median / 1e3) / 1e12, 3)
+        row[name + ("_warm" if warm else "")] = round(bench.median_round(ms, nbytes)[1], 3)
     return row
 
 

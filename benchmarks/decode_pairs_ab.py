@@ -86,9 +86,9 @@ def measure_shape(timer: bench.Timer, batch: int, length: int, hkv: int, rounds:
     nbytes = bench.decode_bytes(batch, length, HQ, hkv, HEAD_DIM)
     row = dict(B=batch, L=length, Hkv=hkv)
     for name, ms in times.items():
-        median = sorted(ms)[len(ms) // 2]
+        median, tbps = bench.median_round(ms, nbytes)
         row[name + "_us"] = round(median * 1e3, 2)
-        row[name] = round(nbytes / (median / 1e3) / 1e12, 3)
+        row[name] = round(tbps, 3)
         row[name + "_kernels"] = kernels[name]
     return row
 
