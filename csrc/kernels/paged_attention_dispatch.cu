@@ -213,9 +213,10 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
       !paged_decode_can_merge_in_block_pairs(params.num_splits, params.head_dim))
     return {
         "decode: merge_in_block_pairs needs 2 splits, head_dim 128 and a GPU whose SMs hold a "
-        "pair (208 KB of shared memory; got " +
-        std::to_string(params.num_splits) + " splits, head_dim " + std::to_string(params.head_dim) +
-        ")"};
+        "pair (" +
+        std::to_string(PagedAttentionTraits<128, true, 2>::kBlockSmemBytes / 1024) +
+        " KB of shared memory; got " + std::to_string(params.num_splits) + " splits, head_dim " +
+        std::to_string(params.head_dim) + ")"};
   if (params.merge_in_cluster && params.merge_in_block_pairs)
     return {"decode: merge_in_cluster and merge_in_block_pairs exclude each other"};
   if (params.num_splits > 1 && !params.merge_in_cluster && !params.merge_in_block_pairs &&

@@ -50,9 +50,12 @@ struct PagedAttentionTraits {
   static constexpr int kTileN = kDecode ? 64 : (kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
-  // Pipeline depth: decode streams K/V, so as many stages as keep 2 blocks/SM under 227 KB
-  // (D=128: 3 x 32 KB); prefill is compute-bound, double buffering suffices.
-  static constexpr int kStages = kDecode ? (kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 3 : 2)) : 2;
+  // Pipeline depth. Decode at D = 128: 2 stages of 32 KB (one tile in flight while a tile is
+  // multiplied), not the 3 that 2 blocks per SM have room for: with 3, each SM keeps twice the
+  // bytes in flight and the whole stream runs 0.5-2.9% slower (H200, bf16, block pairs and single
+  // blocks alike; results/decode_two_stages_NVIDIA-H200_2026-12-03.md). D = 64 and 256 were not
+  // measured. Prefill is compute-bound: double buffering.
+  static constexpr int kStages = kDecode ? (kHeadDim <= 64 ? 4 : 2) : 2;
 
   // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
   static constexpr bool kQInRegisters = kDecode && kHeadDim <= 128;
@@ -79,8 +82,15 @@ struct PagedAttentionTraits {
   static constexpr int kMergeBytes = kWarps * 16 * (kMergeRowStride + 2) * 4;
   static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * 2, "merge buffer too large");
 
+  // Decode at D = 128 runs 2 single blocks per SM, as the split rule and the block pairs assume:
+  // a block reserves a third of an H100/H200 SM's 228 KB of shared memory, so a third block does
+  // not fit beside 2 (3 blocks of 2 stages measured 0.2-0.6% slower than 2, same results file).
+  static constexpr int kMinSmemBytes = kDecode && kHeadDim == 128 ? 228 * 1024 / 3 - 1024 + 128 : 0;
+  static constexpr int kSingleBlockSmemBytes =
+      kSmemBytes > kMinSmemBytes ? kSmemBytes : kMinSmemBytes;
+
   // Used by the split heuristic (resident blocks per SM, from shared memory).
-  static constexpr int kBlocksPerSm = (227 * 1024) / (kSmemBytes + 1024);
+  static constexpr int kBlocksPerSm = (227 * 1024) / (kSingleBlockSmemBytes + 1024);
 
   // Decode block pairs: kGroups = 2 puts the two splits of a (sequence, kv head, row tile) in one
   // block as two independent groups of kWarps warps, each with its own shared-memory region
@@ -89,7 +99,8 @@ struct PagedAttentionTraits {
   // is per group.
   static constexpr int kGroups = kGroups_;
   static constexpr int kBlockThreads = kThreads * kGroups;
-  static constexpr int kBlockSmemBytes = kSmemBytes * kGroups;
+  static constexpr int kBlockSmemBytes =
+      kGroups == 1 ? kSingleBlockSmemBytes : kSmemBytes * kGroups;
   static_assert(kGroups == 1 || (kDecode && kGroups == kClusterSplits), "pairs of decode splits");
   static_assert(kSmemBytes % 128 == 0, "each group's region starts 128-byte aligned");
 
@@ -98,7 +109,7 @@ struct PagedAttentionTraits {
   static_assert((kTileN * kChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
 };
 
-// Head dims with a block-pair decode kernel: D = 128, whose pair (2 x 104 KB) fills an H200 SM as
+// Head dims with a block-pair decode kernel: D = 128, whose pair (2 x 72 KB) takes an H200 SM as
 // its 2 single blocks do. (D = 64 runs 3 single blocks per SM, D = 256 pairs do not fit.)
 constexpr bool paged_decode_block_pairs_compiled(int head_dim) { return head_dim == 128; }
 

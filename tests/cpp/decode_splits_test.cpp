@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "paged_attention_traits.h"
 #include "paged_decode_splits.h"
 
 namespace {
@@ -61,6 +62,32 @@ TEST(DecodeBlockPairs, EveryTwoSplitGridOfTheRuleIsFilled) {
     EXPECT_TRUE(decode_block_pairs_fill_gpu(blocks, 132)) << blocks;
   }
   EXPECT_EQ(two_split_grids, 132 - 88);  // 89 to 132 pair blocks
+}
+
+// The rule's slots assume 2 single decode blocks per SM at D = 128 and a block pair in place of
+// both (paged_attention_traits.h): an H200 SM has 228 KB of shared memory, 227 KB per block, and
+// the driver keeps 1 KB per resident block.
+constexpr int kSmBytes = 228 * 1024;
+constexpr int kBlockLimitBytes = 227 * 1024;
+constexpr int resident(int block_bytes) { return kSmBytes / (block_bytes + 1024); }
+
+TEST(DecodeResidency, TwoSingleBlocksOrOnePairPerSmAtHeadDim128) {
+  using Single = astrai::kernels::PagedAttentionTraits<128, true>;
+  using Pair = astrai::kernels::PagedAttentionTraits<128, true, 2>;
+  EXPECT_EQ(Single::kStages, 2);
+  EXPECT_EQ(Single::kBlocksPerSm, 2);
+  EXPECT_EQ(resident(Single::kBlockSmemBytes), 2);  // a third does not fit beside 2
+  EXPECT_EQ(resident(Pair::kBlockSmemBytes), 1);
+  EXPECT_LE(Pair::kBlockSmemBytes, kBlockLimitBytes);
+}
+
+TEST(DecodeResidency, OtherHeadDimsKeepTheirOwnFootprint) {
+  using D64 = astrai::kernels::PagedAttentionTraits<64, true>;
+  using D256 = astrai::kernels::PagedAttentionTraits<256, true>;
+  EXPECT_EQ(D64::kBlockSmemBytes, D64::kSmemBytes);
+  EXPECT_EQ(D64::kBlocksPerSm, 3);
+  EXPECT_EQ(D256::kBlockSmemBytes, D256::kSmemBytes);
+  EXPECT_EQ(D256::kBlocksPerSm, 1);
 }
 
 }  // namespace
