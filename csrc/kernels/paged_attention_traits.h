@@ -84,7 +84,7 @@ struct PagedAttentionTraits {
 
   // Decode at D = 128 runs 2 single blocks per SM, as the split rule and the block pairs assume:
   // a block reserves a third of an H100/H200 SM's 228 KB of shared memory, so a third block does
-  // not fit beside 2 (3 blocks of 2 stages measured 0.2-0.6% slower than 2, same results file).
+  // not fit beside 2 (3 blocks of 2 stages measured the same within noise, same results file).
   static constexpr int kMinSmemBytes = kDecode && kHeadDim == 128 ? 228 * 1024 / 3 - 1024 + 128 : 0;
   static constexpr int kSingleBlockSmemBytes =
       kSmemBytes > kMinSmemBytes ? kSmemBytes : kMinSmemBytes;
