@@ -1,16 +1,19 @@
 """Decode at 2 splits: block pairs against cluster pairs, the merge kernel and SDPA cuDNN (GPU).
 
-    ASTR_TUNE_KERNELS=1 python3 benchmarks/decode_pairs_ab.py [--rounds 5] [--out DIR]
+    ASTR_TUNE_KERNELS=1 python3 benchmarks/decode_pairs_ab.py [--rounds 5] [--variants a,b]
+        [--shapes BxLxHkv,...] [--out DIR]
 
 Where the split rule picks 2 splits (from 89 to 132 (sequence, kv head) pairs on 132 SMs), the
 cuda backend runs them as block pairs (one block of two groups of 4 warps, merged in its shared
 memory), as a 2-block cluster (merged through distributed shared memory; ASTR_DECODE_BLOCK_PAIRS=0)
-or as 2 blocks and the merge kernel (ASTR_DECODE_CLUSTER_MERGE=0). The binding reads the switches
+or as 2 blocks and the merge kernel (ASTR_DECODE_CLUSTER_MERGE=0); one_split runs 1 split
+instead (ASTR_DECODE_SPLITS=1: one block of 4 warps per (sequence, kv head), the grid of SDPA
+cuDNN's decode kernel at B >= 16). The binding reads the switches
 on every call, so the variants alternate in one process, round after round: the table holds the
 median over rounds of each round's median, with bench_attention.py's timer (256 MB read before
 every call, CUDA events), and each variant's kernel time from the profiler. Outputs agree with
 torch_native (rel L2 < 2e-2) before anything is timed. The last two shapes are controls (1 and 33
-splits: every variant runs the same kernels there).
+splits: every variant but one_split runs the same kernels there).
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ SWITCHES = {
     "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1"},
     "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
     "merge_kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
+    "one_split": {"ASTR_DECODE_SPLITS": "1"},
 }
-SWITCH_NAMES = ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE")
+SWITCH_NAMES = ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE", "ASTR_DECODE_SPLITS")
 VARIANTS = list(SWITCHES) + ["cudnn"]
+RATIOS = [("pairs", "cluster"), ("one_split", "pairs")]
 
 
 def with_switches(switches: dict, call):
@@ -101,13 +106,13 @@ def markdown(rows: list, copy: float, env: str, command: str) -> str:
         f" TB/s (% of the copy rate measured in this run, {copy:.2f} TB/s; us per call), L2 emptied"
         " by a 256 MB read before each call; then the kernels' device time (profiler, us).",
         "",
-        "| B | L | Hkv | " + " | ".join(VARIANTS) + " | pairs / cluster |",
-        "|" + " --- |" * (4 + len(VARIANTS)),
+        "| B | L | Hkv | " + " | ".join(VARIANTS + [f"{a} / {b}" for a, b in RATIOS]) + " |",
+        "|" + " --- |" * (3 + len(VARIANTS) + len(RATIOS)),
     ]
     for r in rows:
         cells = [str(r["B"]), str(r["L"]), str(r["Hkv"])]
         cells += [f"{r[v]:.2f} ({100 * r[v] / copy:.0f}%, {r[v + '_us']:.1f})" for v in VARIANTS]
-        cells.append(f"{r['pairs'] / r['cluster']:.3f}")
+        cells += [f"{r[a] / r[b]:.3f}" if a in r and b in r else "-" for a, b in RATIOS]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Kernel device time (us, profiler, median of 10):", ""]
     lines += [
@@ -128,12 +133,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--shapes", default=None, help="BxLxHkv,... (default: SHAPES)")
+    parser.add_argument("--variants", default=None, help="a comma-separated subset of VARIANTS")
     parser.add_argument("--out", default=None, help="write decode_pairs_ab.md/.json here")
     args = parser.parse_args()
     if "ASTR_TUNE_KERNELS" not in os.environ:
         sys.exit("set ASTR_TUNE_KERNELS=1 (the binding reads the switches only then)")
     import astrai.extension  # noqa: F401  (loads the library)
 
+    if args.variants:
+        chosen = args.variants.split(",")
+        unknown = sorted(set(chosen) - set(VARIANTS))
+        if unknown:
+            sys.exit(f"unknown variants {unknown}; known: {VARIANTS}")
+        for name in [n for n in SWITCHES if n not in chosen]:
+            del SWITCHES[name]
+        VARIANTS[:] = [v for v in VARIANTS if v in chosen]
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
