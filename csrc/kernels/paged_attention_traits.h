@@ -9,8 +9,9 @@
 // Decode (one token per sequence): a block owns 16 rows (one GQA group, padded to 16; groups larger
 // than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their
 // softmax states through shared memory at the end. The kernel is memory-bound, so the rows padding
-// a group to 16 cost nothing; what matters is bytes in flight: kStages-deep cp.async pipeline per
-// block and kBlocksPerSm blocks resident per SM, and rows that land aligned: decode tiles are
+// a group to 16 cost nothing; what matters is the bytes in flight per SM (kStages - 1 tiles per
+// group of warps, times the groups an SM holds), which have an optimum (at D = 128 on the H200:
+// 64 KB, see kStages), and rows that land aligned: decode tiles are
 // swizzled, not padded (see tile_offset in device_primitives.cuh; padded 272-byte rows read the
 // stream 7-8% slower, and swizzling took B=64 L=4096 from 3.96 to 4.27 TB/s, H200,
 // benchmarks/NOTES.md). Two splits of a (sequence, kv head) can share one block as two such groups
