@@ -9,9 +9,10 @@
 // Decode (one token per sequence): a block owns 16 rows (one GQA group, padded to 16; groups larger
 // than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their
 // softmax states through shared memory at the end. The kernel is memory-bound, so the rows padding
-// a group to 16 cost nothing; what matters is the bytes in flight per SM (kStages - 1 tiles per
-// group of warps, times the groups an SM holds), which have an optimum (at D = 128 on the H200:
-// 64 KB, see kStages), and rows that land aligned: decode tiles are
+// a group to 16 cost nothing; what matters is how the K/V stream is requested: enough bytes in
+// flight per SM (a group has up to kStages tiles requested; one block of 4 warps per SM, 64 KB,
+// streams 8-12% slower than two groups, 128 KB), the pipeline depth (see kStages), and rows that
+// land aligned: decode tiles are
 // swizzled, not padded (see tile_offset in device_primitives.cuh; padded 272-byte rows read the
 // stream 7-8% slower, and swizzling took B=64 L=4096 from 3.96 to 4.27 TB/s, H200,
 // benchmarks/NOTES.md). Two splits of a (sequence, kv head) can share one block as two such groups
@@ -51,11 +52,12 @@ struct PagedAttentionTraits {
   static constexpr int kTileN = kDecode ? 64 : (kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
-  // Pipeline depth. Decode at D = 128: 2 stages of 32 KB (one tile in flight while a tile is
-  // multiplied), not the 3 that 2 blocks per SM have room for: with 3, each SM keeps twice the
-  // bytes in flight and the whole stream runs 0.5-2.9% slower (H200, bf16, block pairs and single
-  // blocks alike; results/decode_two_stages_NVIDIA-H200_2026-12-03.md). D = 64 and 256 were not
-  // measured. Prefill is compute-bound: double buffering.
+  // Pipeline depth. Decode at D = 128: 2 stages of 32 KB (the tile being waited for and the next
+  // one), not the 3 that 2 blocks per SM have room for: with 3 the stream runs 0.5-2.9% slower
+  // (H200, bf16, block pairs and single blocks alike). Not by bytes in flight alone: 3 blocks of 2
+  // stages per SM request as many bytes as 2 blocks of 3 and were as fast as 2 blocks of 2
+  // (results/decode_two_stages_NVIDIA-H200_2026-12-03.md). D = 64 and 256 were not measured.
+  // Prefill is compute-bound: double buffering.
   static constexpr int kStages = kDecode ? (kHeadDim <= 64 ? 4 : 2) : 2;
 
   // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
