@@ -168,7 +168,8 @@ static bool current_device_fits_decode_block_pairs() {
                cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
                                       device) != cudaSuccess)
              return 0;
-           const int pairs_per_sm = per_sm / (Pair::kBlockSmemBytes + 1024);
+           const int pairs_per_sm =
+               per_sm / (Pair::kBlockSmemBytes + kSharedMemoryReservedPerBlock);
            const bool fits = optin >= Pair::kBlockSmemBytes &&
                              2 * pairs_per_sm >= PagedAttentionTraits<128, true>::kBlocksPerSm;
            return fits ? 2 : 1;

@@ -12,13 +12,13 @@
 // a group to 16 cost nothing; what matters is how the K/V stream is requested: enough bytes in
 // flight per SM (a group has up to kStages tiles requested; one block of 4 warps per SM, 64 KB,
 // streams 8-12% slower than two groups, 128 KB), the pipeline depth (see kStages), and rows that
-// land aligned: decode tiles are
-// swizzled, not padded (see tile_offset in device_primitives.cuh; padded 272-byte rows read the
-// stream 7-8% slower, and swizzling took B=64 L=4096 from 3.96 to 4.27 TB/s, H200,
-// benchmarks/NOTES.md). Two splits of a (sequence, kv head) can share one block as two such groups
-// of warps (kGroups below), merged in its shared memory. SDPA cuDNN's shape (128-position tiles,
-// one block of 4 warps per SM, no split at B >= 16) measured 0.92-0.985x of these 64-position
-// tiles in this kernel (results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
+// land aligned: decode tiles are swizzled, not padded (see tile_offset in device_primitives.cuh;
+// padded 272-byte rows read the stream 7-8% slower, and swizzling took B=64 L=4096 from 3.96
+// to 4.27 TB/s, H200, benchmarks/NOTES.md). Two splits of a (sequence, kv head) can share one block
+// as two such groups of warps (kGroups below), merged in its shared memory. SDPA cuDNN's shape
+// (128-position tiles, one block of 4 warps per SM, no split at B >= 16) measured 0.92-0.985x of
+// these 64-position tiles in this kernel
+// (results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
 //
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
@@ -34,6 +34,12 @@
 #pragma once
 
 namespace astrai::kernels {
+
+// Shared memory of an H100/H200 SM, the most one block may take, and what the driver keeps per
+// resident block: the figures the residency below is computed from.
+constexpr int kSmSharedMemoryBytes = 228 * 1024;
+constexpr int kBlockSharedMemoryLimitBytes = 227 * 1024;
+constexpr int kSharedMemoryReservedPerBlock = 1024;
 
 template <int kHeadDim_, bool kDecode_, int kGroups_ = 1>
 struct PagedAttentionTraits {
@@ -88,12 +94,16 @@ struct PagedAttentionTraits {
   // Decode at D = 128 runs 2 single blocks per SM, as the split rule and the block pairs assume:
   // a block reserves a third of an H100/H200 SM's 228 KB of shared memory, so a third block does
   // not fit beside 2 (3 blocks of 2 stages measured the same within noise, same results file).
-  static constexpr int kMinSmemBytes = kDecode && kHeadDim == 128 ? 228 * 1024 / 3 - 1024 + 128 : 0;
+  // (The extra 128 bytes put the block just past a third, keeping its size a multiple of 128.)
+  static constexpr int kMinSmemBytes =
+      kDecode && kHeadDim == 128 ? kSmSharedMemoryBytes / 3 - kSharedMemoryReservedPerBlock + 128
+                                 : 0;
   static constexpr int kSingleBlockSmemBytes =
       kSmemBytes > kMinSmemBytes ? kSmemBytes : kMinSmemBytes;
 
   // Used by the split heuristic (resident blocks per SM, from shared memory).
-  static constexpr int kBlocksPerSm = (227 * 1024) / (kSingleBlockSmemBytes + 1024);
+  static constexpr int kBlocksPerSm =
+      kBlockSharedMemoryLimitBytes / (kSingleBlockSmemBytes + kSharedMemoryReservedPerBlock);
 
   // Decode block pairs: kGroups = 2 puts the two splits of a (sequence, kv head, row tile) in one
   // block as two independent groups of kWarps warps, each with its own shared-memory region

@@ -65,11 +65,12 @@ TEST(DecodeBlockPairs, EveryTwoSplitGridOfTheRuleIsFilled) {
 }
 
 // The rule's slots assume 2 single decode blocks per SM at D = 128 and a block pair in place of
-// both (paged_attention_traits.h): an H200 SM has 228 KB of shared memory, 227 KB per block, and
-// the driver keeps 1 KB per resident block.
-constexpr int kSmBytes = 228 * 1024;
-constexpr int kBlockLimitBytes = 227 * 1024;
-constexpr int resident(int block_bytes) { return kSmBytes / (block_bytes + 1024); }
+// both (paged_attention_traits.h, with an H200 SM's shared-memory figures).
+using astrai::kernels::kBlockSharedMemoryLimitBytes;
+constexpr int resident(int block_bytes) {
+  return astrai::kernels::kSmSharedMemoryBytes /
+         (block_bytes + astrai::kernels::kSharedMemoryReservedPerBlock);
+}
 
 TEST(DecodeResidency, TwoSingleBlocksOrOnePairPerSmAtHeadDim128) {
   using Single = astrai::kernels::PagedAttentionTraits<128, true>;
@@ -78,7 +79,7 @@ TEST(DecodeResidency, TwoSingleBlocksOrOnePairPerSmAtHeadDim128) {
   EXPECT_EQ(Single::kBlocksPerSm, 2);
   EXPECT_EQ(resident(Single::kBlockSmemBytes), 2);  // a third does not fit beside 2
   EXPECT_EQ(resident(Pair::kBlockSmemBytes), 1);
-  EXPECT_LE(Pair::kBlockSmemBytes, kBlockLimitBytes);
+  EXPECT_LE(Pair::kBlockSmemBytes, kBlockSharedMemoryLimitBytes);
 }
 
 TEST(DecodeResidency, OtherHeadDimsKeepTheirOwnFootprint) {
