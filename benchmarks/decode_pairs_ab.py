@@ -1,7 +1,7 @@
 """Decode at 2 splits: block pairs against cluster pairs, the merge kernel and SDPA cuDNN (GPU).
 
     ASTR_TUNE_KERNELS=1 python3 benchmarks/decode_pairs_ab.py [--rounds 5] [--variants a,b]
-        [--shapes BxLxHkv,...] [--out DIR]
+        [--shapes BxLxHkv,...] [--head-dim 128] [--out DIR]
 
 Where the split rule picks 2 splits (from 89 to 132 (sequence, kv head) pairs on 132 SMs), the
 cuda backend runs them as block pairs (one block of two groups of 4 warps, merged in its shared
@@ -102,9 +102,10 @@ def markdown(rows: list, copy: float, env: str, command: str) -> str:
     lines = [
         "# Decode at 2 splits: block pairs vs cluster pairs vs the merge kernel vs SDPA cuDNN",
         "",
-        f"{env}. Command: `{command}`. bf16, Hq=32, D=128, page 16 (shuffled pages). Effective"
-        f" TB/s (% of the copy rate measured in this run, {copy:.2f} TB/s; us per call), L2 emptied"
-        " by a 256 MB read before each call; then the kernels' device time (profiler, us).",
+        f"{env}. Command: `{command}`. bf16, Hq=32, D={HEAD_DIM}, page 16 (shuffled pages)."
+        f" Effective TB/s (% of the copy rate measured in this run, {copy:.2f} TB/s; us per call),"
+        " L2 emptied by a 256 MB read before each call; then the kernels' device time"
+        " (profiler, us).",
         "",
         "| B | L | Hkv | " + " | ".join(VARIANTS + [f"{a} / {b}" for a, b in RATIOS]) + " |",
         "|" + " --- |" * (3 + len(VARIANTS) + len(RATIOS)),
@@ -133,12 +134,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--shapes", default=None, help="BxLxHkv,... (default: SHAPES)")
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--variants", default=None, help="a comma-separated subset of VARIANTS")
     parser.add_argument("--out", default=None, help="write decode_pairs_ab.md/.json here")
     args = parser.parse_args()
     if "ASTR_TUNE_KERNELS" not in os.environ:
         sys.exit("set ASTR_TUNE_KERNELS=1 (the binding reads the switches only then)")
     import astrai.extension  # noqa: F401  (loads the library)
+
+    global HEAD_DIM
+    HEAD_DIM = args.head_dim
 
     if args.variants:
         chosen = args.variants.split(",")

@@ -22,7 +22,7 @@
 namespace astrai::kernels {
 
 template <typename Traits, typename T>
-__global__ void __launch_bounds__(Traits::kBlockThreads)
+__global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_attention_kernel(const __grid_constant__ PagedKernelArgs args) {
   constexpr int D = Traits::kHeadDim;
   constexpr int kChunks = Traits::kChunksPerRow;

@@ -58,13 +58,14 @@ struct PagedAttentionTraits {
   static constexpr int kTileN = kDecode ? 64 : (kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
-  // Pipeline depth. Decode at D = 128: 2 stages of 32 KB (the tile being waited for and the next
-  // one), not the 3 that 2 blocks per SM have room for: with 3 the stream runs 0.5-2.9% slower
-  // (H200, bf16, block pairs and single blocks alike). Not by bytes in flight alone: 3 blocks of 2
-  // stages per SM request as many bytes as 2 blocks of 3 and were as fast as 2 blocks of 2
-  // (results/decode_two_stages_NVIDIA-H200_2026-12-03.md). D = 64 and 256 were not measured.
-  // Prefill is compute-bound: double buffering.
-  static constexpr int kStages = kDecode ? (kHeadDim <= 64 ? 4 : 2) : 2;
+  // Pipeline depth: 2 stages (the tile being waited for and the next one). Decode has room for 3
+  // or 4, and they were slower: at D = 128 3 stages ran 0.5-2.9% slower (H200, bf16, block pairs
+  // and single blocks alike), not by bytes in flight alone, as 3 blocks of 2 stages per SM
+  // request as many bytes as 2 blocks of 3 and were as fast as 2 blocks of 2
+  // (results/decode_two_stages_NVIDIA-H200_2026-12-03.md); at D = 64 4 stages, and 3 at 4 blocks
+  // per SM, ran 1-4% slower (results/decode_head_dim_64_NVIDIA-H200_2026-12-03.md). Prefill is
+  // compute-bound: double buffering.
+  static constexpr int kStages = 2;
 
   // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
   static constexpr bool kQInRegisters = kDecode && kHeadDim <= 128;
@@ -91,19 +92,31 @@ struct PagedAttentionTraits {
   static constexpr int kMergeBytes = kWarps * 16 * (kMergeRowStride + 2) * 4;
   static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * 2, "merge buffer too large");
 
-  // Decode at D = 128 runs 2 single blocks per SM, as the split rule and the block pairs assume:
-  // a block reserves a third of an H100/H200 SM's 228 KB of shared memory, so a third block does
-  // not fit beside 2 (3 blocks of 2 stages measured the same within noise, same results file).
-  // (The extra 128 bytes put the block just past a third, keeping its size a multiple of 128.)
-  static constexpr int kMinSmemBytes =
-      kDecode && kHeadDim == 128 ? kSmSharedMemoryBytes / 3 - kSharedMemoryReservedPerBlock + 128
-                                 : 0;
+  // Resident decode blocks per SM (single blocks), which the split rule and the block pairs count
+  // on: 4 at D = 64, 2 at D = 128, 1 at D = 256. A block reserves just over 1 / (n + 1) of an
+  // H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so that no more than n fit:
+  // at D = 128 3 blocks of 2 stages measured the same as 2 within noise (same results file), and
+  // at D = 64 4 blocks fill one wave where 3 did not (B=64 Hkv=8: 512 blocks, 528 slots; 1.2x).
+  static constexpr int kDecodeBlocksPerSm = kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 2 : 1);
+  static constexpr int kShareOfOneBlockMoreBytes =
+      kSmSharedMemoryBytes / (kDecodeBlocksPerSm + 1) - kSharedMemoryReservedPerBlock;
+  static constexpr int kMinSmemBytes = kDecode ? (kShareOfOneBlockMoreBytes / 128 + 1) * 128 : 0;
   static constexpr int kSingleBlockSmemBytes =
       kSmemBytes > kMinSmemBytes ? kSmemBytes : kMinSmemBytes;
 
   // Used by the split heuristic (resident blocks per SM, from shared memory).
   static constexpr int kBlocksPerSm =
       kBlockSharedMemoryLimitBytes / (kSingleBlockSmemBytes + kSharedMemoryReservedPerBlock);
+  static_assert(!kDecode || kBlocksPerSm == kDecodeBlocksPerSm, "decode residency");
+
+  // The kernel's launch bounds: where n decode blocks of kThreads could not all have 255 registers
+  // per thread in the 64 K of an SM (D = 64: 4 blocks, at most 128 each), the compiler is told to
+  // keep that many resident. 0 leaves the bound out (D = 128 and 256, prefill, block pairs): even
+  // a bound it already meets changed ptxas' allocation at D = 128 (206 -> 212 registers).
+  static constexpr int kMinBlocksPerSm =
+      kDecode && kGroups_ == 1 && kDecodeBlocksPerSm * kThreads * 255 > 64 * 1024
+          ? kDecodeBlocksPerSm
+          : 0;
 
   // Decode block pairs: kGroups = 2 puts the two splits of a (sequence, kv head, row tile) in one
   // block as two independent groups of kWarps warps, each with its own shared-memory region
@@ -123,7 +136,7 @@ struct PagedAttentionTraits {
 };
 
 // Head dims with a block-pair decode kernel: D = 128, whose pair (2 x 72 KB) takes an H200 SM as
-// its 2 single blocks do. (D = 64 runs 3 single blocks per SM, D = 256 pairs do not fit.)
+// its 2 single blocks do. (D = 64 runs 4 single blocks per SM, D = 256 pairs do not fit.)
 constexpr bool paged_decode_block_pairs_compiled(int head_dim) { return head_dim == 128; }
 
 }  // namespace astrai::kernels

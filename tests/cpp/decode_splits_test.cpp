@@ -64,8 +64,8 @@ TEST(DecodeBlockPairs, EveryTwoSplitGridOfTheRuleIsFilled) {
   EXPECT_EQ(two_split_grids, 132 - 88);  // 89 to 132 pair blocks
 }
 
-// The rule's slots assume 2 single decode blocks per SM at D = 128 and a block pair in place of
-// both (paged_attention_traits.h, with an H200 SM's shared-memory figures).
+// The rule's slots assume 2 single decode blocks per SM at D = 128 (4 at D = 64) and a block pair
+// in place of both (paged_attention_traits.h, with an H200 SM's shared-memory figures).
 using astrai::kernels::kBlockSharedMemoryLimitBytes;
 constexpr int resident(int block_bytes) {
   return astrai::kernels::kSmSharedMemoryBytes /
@@ -82,13 +82,27 @@ TEST(DecodeResidency, TwoSingleBlocksOrOnePairPerSmAtHeadDim128) {
   EXPECT_LE(Pair::kBlockSmemBytes, kBlockSharedMemoryLimitBytes);
 }
 
-TEST(DecodeResidency, OtherHeadDimsKeepTheirOwnFootprint) {
+TEST(DecodeResidency, FourBlocksPerSmAtHeadDim64) {
   using D64 = astrai::kernels::PagedAttentionTraits<64, true>;
+  EXPECT_EQ(D64::kStages, 2);
+  EXPECT_EQ(D64::kBlocksPerSm, 4);
+  EXPECT_EQ(resident(D64::kBlockSmemBytes), 4);  // a fifth does not fit beside 4
+  EXPECT_GT(D64::kBlockSmemBytes, D64::kSmemBytes);
+  EXPECT_EQ(D64::kMinBlocksPerSm, 4);  // registers: at most 128 per thread
+}
+
+TEST(DecodeResidency, OneBlockPerSmAtHeadDim256) {
   using D256 = astrai::kernels::PagedAttentionTraits<256, true>;
-  EXPECT_EQ(D64::kBlockSmemBytes, D64::kSmemBytes);
-  EXPECT_EQ(D64::kBlocksPerSm, 3);
   EXPECT_EQ(D256::kBlockSmemBytes, D256::kSmemBytes);
   EXPECT_EQ(D256::kBlocksPerSm, 1);
+  EXPECT_EQ(resident(D256::kBlockSmemBytes), 1);
+}
+
+TEST(DecodeResidency, LaunchBoundsOnlyWhereRegistersWouldLimitResidency) {
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, true>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, true, 2>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<256, true>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, false>::kMinBlocksPerSm), 0);
 }
 
 }  // namespace

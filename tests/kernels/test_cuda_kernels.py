@@ -401,7 +401,7 @@ SINGLE_KERNEL = "PagedAttentionTraits<128, true, 1>"
         (2, 128, "pairs", PAIR_KERNEL),
         (16, 128, "cluster", SINGLE_KERNEL),
         (16, 128, "kernel", "paged_decode_merge_kernel"),
-        (2, 64, "pairs", "PagedAttentionTraits<64, true, 1>"),  # 3 blocks per SM: no pair kernel
+        (2, 64, "pairs", "PagedAttentionTraits<64, true, 1>"),  # 4 blocks per SM: no pair kernel
     ],
 )
 def test_decode_two_splits_run_the_chosen_merge(batch_size, head_dim, merge, expected, monkeypatch):
