@@ -163,9 +163,9 @@ def assert_close(out, ref, dtype):
     assert err < TOLERANCE[dtype], f"relative L2 error {err:.3e}"
 
 
-def run_decode(batch, attn_mask=None, is_causal=True):
+def run_decode(batch, attn_mask=None, is_causal=True, scale=None):
     poison_next_allocation(batch.q.shape, batch.q.dtype)
-    scale = 1.0 / math.sqrt(batch.q.shape[-1])
+    scale = 1.0 / math.sqrt(batch.q.shape[-1]) if scale is None else scale
     return attention_op(
         batch.q,
         batch.k_cache,
@@ -201,8 +201,10 @@ def run_prefill(batch, q, scale, is_causal=True, attn_mask=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 4, 8, 12, 16])
 def test_decode_matches_reference(dtype, head_dim, page_size, group):
+    """Groups of 1-16 query heads per kv head: one block's rows, of which 12 and 16 take both of
+    the decode's 8-row head tiles (the second one partly padding at 12)."""
     g = torch.Generator(device="cuda").manual_seed(1000 + head_dim + page_size + group)
     lens = [1, 8192, int(torch.randint(2, 8192, (1,), generator=g, device="cuda"))]
     batch = PagedBatch(lens, [1] * len(lens), 2 * group, 2, head_dim, page_size, dtype, generator=g)
@@ -260,6 +262,17 @@ def test_decode_every_split_count_merges_the_same(head_dim, group, splits, merge
         ref = reference(batch, batch.q, True, 1.0 / math.sqrt(head_dim), attn_mask)
         assert_close(out, ref, torch.bfloat16)
     assert (out[2] == 0).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
+def test_decode_scale_of_any_sign(head_dim, scale):
+    """A positive scale is folded into the softmax's exponent; zero and negative ones are applied
+    to the scores first."""
+    g = torch.Generator(device="cuda").manual_seed(17 + head_dim)
+    batch = PagedBatch([1, 300, 3000], [1] * 3, 24, 2, head_dim, 16, torch.bfloat16, generator=g)
+    out = run_decode(batch, scale=scale)
+    assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
 def test_decode_large_group_and_many_sequences():
