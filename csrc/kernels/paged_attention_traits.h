@@ -62,9 +62,10 @@ struct PagedAttentionTraits {
   // or 4, and they were slower: at D = 128 3 stages ran 0.5-2.9% slower (H200, bf16, block pairs
   // and single blocks alike), not by bytes in flight alone, as 3 blocks of 2 stages per SM
   // request as many bytes as 2 blocks of 3 and were as fast as 2 blocks of 2
-  // (results/decode_two_stages_NVIDIA-H200_2026-12-03.md); at D = 64 4 stages, and 3 at 4 blocks
-  // per SM, ran 1-4% slower (results/decode_head_dim_64_NVIDIA-H200_2026-12-03.md). Prefill is
-  // compute-bound: double buffering.
+  // (results/decode_two_stages_NVIDIA-H200_2026-12-03.md); at D = 64 4 stages ran up to 3.5%
+  // slower than 2 at 3 blocks per SM, and 3 stages up to 2.5% slower at 4 blocks per SM
+  // (results/decode_head_dim_64_NVIDIA-H200_2026-12-03.md). Prefill is compute-bound: double
+  // buffering.
   static constexpr int kStages = 2;
 
   // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
