@@ -8,14 +8,17 @@
 // ("details", the default). "strategies" compares ways of loading instead: an L2 prefetch hint,
 // smaller tiles with more stages, one block per SM, 256 threads, a persistent grid, and warps
 // that each stream their own part with their own stages (no block barrier), on NHD and HND.
+// "kvsplit" compares SDPA cuDNN's decode pipeline (K and V in separate steps, one buffer each, read
+// from its disassembly) with ours, at one block per (sequence, kv head) and at two.
 // Each line is the median of 15 launches, L2 emptied before each by a 256 MB write followed by a
 // 256 MB read of another buffer ("clean"), or by the write alone ("dirty", whose write-back then
 // lands inside the timed launch).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 benchmarks/read_patterns.cu \
-//       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies]
+//       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies | kvsplit]
 //
-// Readings (H200): results/read_patterns_NVIDIA-H200_2026-12-02.md; what they changed: NOTES.md.
+// Readings (H200): results/read_patterns_NVIDIA-H200_2026-12-02.md, kvsplit in
+// results/decode_cudnn_pipeline_NVIDIA-H200_2026-12-03.md; what they changed: NOTES.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -149,6 +152,69 @@ __global__ void __launch_bounds__(kThreads) block_pipeline(const Layout L) {
   if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
 }
 
+// SDPA cuDNN's decode pipeline (its sm80 kernel, read from a profiler's disassembly): K and V of a
+// tile in separate commit groups, each in its own buffer of kStages tiles; wait for K, consume it,
+// refill it with the next K; wait for V, consume it, refill it. kStages = 1 is cuDNN's (at most
+// the next K and this V in flight).
+template <int kThreads, int kTile, int kStages>
+__global__ void __launch_bounds__(kThreads) kv_split_pipeline(const Layout L) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kStageBytes = kTile * kRowBytes;
+  unsigned char* ks = smem;
+  unsigned char* vs = smem + kStages * kStageBytes;
+  const int tid = threadIdx.x;
+  const int row0 = tid / kChunks, ch = tid % kChunks;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  constexpr int kCopies = kTile / kRowsPerPass;
+  uint32_t acc = 0;
+  const char *kb, *vb;
+  int begin, end;
+  item_range(L, blockIdx.x, kb, vb, begin, end);
+  const int tiles = (end - begin) / kTile;
+  auto issue = [&](const char* base, unsigned char* dst, int t) {
+    const int st = t % kStages;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int r = row0 + i * kRowsPerPass;
+      const int64_t off = (int64_t)(begin + t * kTile + r) * L.token_stride + ch * 16;
+      cp16<0>(saddr(dst + st * kStageBytes + r * kRowBytes + ch * 16), base + off);
+    }
+  };
+  auto consume = [&](const unsigned char* buf) {
+    constexpr int kReads = kStageBytes / kThreads / 16;
+#pragma unroll
+    for (int i = 0; i < kReads; ++i) {
+      const int idx = (tid * 7 + i * kThreads) % (kStageBytes / 16);
+      const uint4 x = *reinterpret_cast<const uint4*>(buf + idx * 16);
+      acc ^= x.x + x.y * 3 + x.z * 5 + x.w * 7;
+    }
+  };
+  // Prologue: K and V of the first kStages tiles, K before V in each.
+  for (int s = 0; s < kStages; ++s) {
+    if (s < tiles) issue(kb, ks, s);
+    commit();
+    if (s < tiles) issue(vb, vs, s);
+    commit();
+  }
+  for (int t = 0; t < tiles; ++t) {
+    const int st = t % kStages;
+    wait_group<2 * kStages - 1>();  // K of tile t
+    __syncthreads();
+    consume(ks + st * kStageBytes);
+    __syncthreads();
+    if (t + kStages < tiles) issue(kb, ks, t + kStages);
+    commit();
+    wait_group<2 * kStages - 1>();  // V of tile t
+    __syncthreads();
+    consume(vs + st * kStageBytes);
+    __syncthreads();
+    if (t + kStages < tiles) issue(vb, vs, t + kStages);
+    commit();
+  }
+  wait_group<0>();
+  if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
+}
+
 // Warp-independent pipelines: each warp streams its own quarter of the item's range with its own
 // stages; __syncwarp only.
 template <int kWarps, int kWarpTile, int kStages>
@@ -271,7 +337,8 @@ static void set_smem(K kernel, int bytes) {
 int main(int argc, char** argv) {
   // "details" (default): run 2 of the readings, one detail of the attention kernel's copy per
   // line, NHD layout. "strategies": run 1, loading strategies, NHD and HND, three flushes.
-  const bool details = argc < 2 || std::string(argv[1]) != "strategies";
+  const bool kvsplit = argc >= 2 && std::string(argv[1]) == "kvsplit";
+  const bool details = !kvsplit && (argc < 2 || std::string(argv[1]) != "strategies");
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int64_t kMax = 1ll << 30;  // per K and V
@@ -298,9 +365,12 @@ int main(int argc, char** argv) {
     int b, l, splits;
   };
   const std::vector<Shape> shapes =
-      details ? std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}}
-              : std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}, {16, 16384, 1}};
-  const std::vector<int> modes = details ? std::vector<int>{2, 1} : std::vector<int>{1, 2, 0};
+      kvsplit   ? std::vector<Shape>{{16, 2048, 1}, {16, 8192, 1}, {16, 32768, 1}, {64, 4096, 1}}
+      : details ? std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}}
+                : std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}, {16, 16384, 1}};
+  const std::vector<int> modes = kvsplit   ? std::vector<int>{2}
+                                 : details ? std::vector<int>{2, 1}
+                                           : std::vector<int>{1, 2, 0};
   for (int mode : modes) {
     g_mode = mode;
     printf("== %s ==\n", mode_names[mode]);
@@ -347,7 +417,29 @@ int main(int argc, char** argv) {
           printf("%s %-34s %7.1f us %.2f TB/s\n", label, name, us, bytes / us / 1e6);
         };
         const int tile64 = 64 * kRowBytes * 2;  // K + V of one 64-row stage
-        if (details) {
+        if (kvsplit) {
+          // Splits of 1 here; "x2" lines run 2 blocks per item's range (2 splits, the pairs' grid).
+          Layout L2 = L;
+          L2.splits = 2;
+          L2.items = L.items * 2;
+          run(kv_split_pipeline<128, 128, 1>, "cudnn: kv split 128 st1 1/SM", 2 * 128 * kRowBytes);
+          run(kv_split_pipeline<128, 128, 1>, "kv split 128 st1, 86 KB", 88064);
+          run(kv_split_pipeline<128, 64, 2>, "kv split 64 st2 1/SM", 151552);
+          run(block_pipeline<128, 128, 2, 0, false>, "block tile128 st2 1/SM", 2 * 2 * 128 * 256);
+          set_smem(block_pipeline<128, 64, 2, 0, false>, 2 * tile64);
+          const float us2 = time_us([&] {
+            auto kern = block_pipeline<128, 64, 2, 0, false>;
+            kern<<<L2.items, 128, 2 * tile64>>>(L2);
+          });
+          printf("%s %-34s %7.1f us %.2f TB/s\n", label, "ours: block st2 x2 splits 2/SM", us2,
+                 bytes / us2 / 1e6);
+          const float us3 = time_us([&] {
+            auto kern = kv_split_pipeline<128, 64, 2>;
+            kern<<<L2.items, 128, 2 * tile64>>>(L2);
+          });
+          printf("%s %-34s %7.1f us %.2f TB/s\n", label, "kv split 64 st2 x2 splits 2/SM", us3,
+                 bytes / us3 / 1e6);
+        } else if (details) {
           run(block_pipeline<128, 64, 3, 0, false>, "block st3 (96 KB)", 3 * tile64);
           run(block_pipeline<128, 64, 3, 0, false>, "block st3 + 108.8 KB smem", 108800);
           run(block_pipeline<128, 64, 3, 0, false, 272>, "block st3 272-B rows", 3 * 64 * 272 * 2);
