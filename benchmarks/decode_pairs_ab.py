@@ -1,7 +1,7 @@
 """Decode at 2 splits: block pairs against cluster pairs, the merge kernel and SDPA cuDNN (GPU).
 
     ASTR_TUNE_KERNELS=1 python3 benchmarks/decode_pairs_ab.py [--rounds 5] [--variants a,b]
-        [--shapes BxLxHkv,...] [--head-dim 128] [--out DIR]
+        [--shapes BxLxHkv,...] [--head-dim 128] [--page-size 16] [--out DIR]
 
 Where the split rule picks 2 splits (from 89 to 132 (sequence, kv head) pairs on 132 SMs), the
 cuda backend runs them as block pairs (one block of two groups of 4 warps, merged in its shared
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as bench  # noqa: E402
 from decode_fixed_cost import kernel_us  # noqa: E402
 
-HQ, HEAD_DIM = 32, 128
+HQ, HEAD_DIM, PAGE_SIZE = 32, 128, 16
 SHAPES = [(16, 512, 8), (16, 2048, 8), (16, 4096, 8), (16, 8192, 8), (16, 32768, 8)]
 SHAPES += [(12, 2048, 8), (12, 4096, 8), (4, 4096, 32)]
 # Controls: 1 split (B=64) and 33 splits (B=1), where every variant runs the same kernels, so
@@ -61,7 +61,7 @@ def with_switches(switches: dict, call):
 def measure_shape(timer: bench.Timer, batch: int, length: int, hkv: int, rounds: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, kwargs = bench.uniform_decode_call(batch, length, HQ, hkv, HEAD_DIM)
+    q, kwargs = bench.uniform_decode_call(batch, length, HQ, hkv, HEAD_DIM, PAGE_SIZE)
     expected = torch.ops.astr.attention(q, backend="torch_native", **kwargs).float()
     calls = {
         name: with_switches(switches, lambda: torch.ops.astr.attention(q, backend="cuda", **kwargs))
@@ -102,7 +102,8 @@ def markdown(rows: list, copy: float, env: str, command: str) -> str:
     lines = [
         "# Decode at 2 splits: block pairs vs cluster pairs vs the merge kernel vs SDPA cuDNN",
         "",
-        f"{env}. Command: `{command}`. bf16, Hq=32, D={HEAD_DIM}, page 16 (shuffled pages)."
+        f"{env}. Command: `{command}`. bf16, Hq=32, D={HEAD_DIM}, page {PAGE_SIZE}"
+        " (shuffled pages)."
         f" Effective TB/s (% of the copy rate measured in this run, {copy:.2f} TB/s; us per call),"
         " L2 emptied by a 256 MB read before each call; then the kernels' device time"
         " (profiler, us).",
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--shapes", default=None, help="BxLxHkv,... (default: SHAPES)")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--variants", default=None, help="a comma-separated subset of VARIANTS")
     parser.add_argument("--out", default=None, help="write decode_pairs_ab.md/.json here")
     args = parser.parse_args()
@@ -142,8 +144,9 @@ def main() -> None:
         sys.exit("set ASTR_TUNE_KERNELS=1 (the binding reads the switches only then)")
     import astrai.extension  # noqa: F401  (loads the library)
 
-    global HEAD_DIM
+    global HEAD_DIM, PAGE_SIZE
     HEAD_DIM = args.head_dim
+    PAGE_SIZE = args.page_size
 
     if args.variants:
         chosen = args.variants.split(",")
