@@ -1,4 +1,5 @@
-"""Decode at 2 splits: block pairs against cluster pairs, the merge kernel and SDPA cuDNN (GPU).
+"""Decode at 2 splits: block pairs against eight-warp blocks, cluster pairs, the merge kernel and
+SDPA cuDNN (GPU).
 
     ASTR_TUNE_KERNELS=1 python3 benchmarks/decode_pairs_ab.py [--rounds 5] [--variants a,b]
         [--shapes BxLxHkv,...] [--head-dim 128] [--page-size 16] [--out DIR]
@@ -8,7 +9,9 @@ cuda backend runs them as block pairs (one block of two groups of 4 warps, merge
 memory), as a 2-block cluster (merged through distributed shared memory; ASTR_DECODE_BLOCK_PAIRS=0)
 or as 2 blocks and the merge kernel (ASTR_DECODE_CLUSTER_MERGE=0); one_split runs 1 split
 instead (ASTR_DECODE_SPLITS=1: one block of 4 warps per (sequence, kv head), the grid of SDPA
-cuDNN's decode kernel at B >= 16). The binding reads the switches
+cuDNN's decode kernel at B >= 16); eight_warps runs 1 split as one block of 8 warps per (sequence,
+kv head) (ASTR_DECODE_EIGHT_WARPS=1; by default it replaces the block pairs where the block table
+holds at most 16384 positions, so `pairs` turns it off). The binding reads the switches
 on every call, so the variants alternate in one process, round after round: the table holds the
 median over rounds of each round's median, with bench_attention.py's timer (256 MB read before
 every call, CUDA events), and each variant's kernel time from the profiler. Outputs agree with
@@ -38,14 +41,16 @@ SHAPES += [(12, 2048, 8), (12, 4096, 8), (4, 4096, 32)]
 # their spread is the noise of the measurement.
 SHAPES += [(64, 4096, 8), (1, 32768, 8)]
 SWITCHES = {
-    "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1"},
+    "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1", "ASTR_DECODE_EIGHT_WARPS": "0"},
+    "eight_warps": {"ASTR_DECODE_EIGHT_WARPS": "1"},
     "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
     "merge_kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
     "one_split": {"ASTR_DECODE_SPLITS": "1"},
 }
 SWITCH_NAMES = ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE", "ASTR_DECODE_SPLITS")
+SWITCH_NAMES += ("ASTR_DECODE_EIGHT_WARPS",)
 VARIANTS = list(SWITCHES) + ["cudnn"]
-RATIOS = [("pairs", "cluster"), ("one_split", "pairs")]
+RATIOS = [("eight_warps", "pairs"), ("pairs", "cluster"), ("eight_warps", "cudnn")]
 
 
 def with_switches(switches: dict, call):

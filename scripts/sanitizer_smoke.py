@@ -1,9 +1,9 @@
 """A small run of every cuda-backend kernel (append, decode with split-KV, prefill with a mask),
 for `compute-sanitizer --tool memcheck`: ragged lengths that end mid-page, shuffled pages,
 GQA, and a block table wider than any sequence needs. Decodes run in 2 splits, three times: as
-block pairs (D = 128 on sm_90), in a thread-block cluster (sm_90) and with the merge kernel, for
-short sequences and for one of 1500 tokens; prefills twice: on wgmma (where it runs) and on
-mma.sync."""
+block pairs (D = 128 on sm_90), in a thread-block cluster (sm_90) and with the merge kernel, and
+in 1 split as eight-warp blocks (D = 128), for short sequences and for one of 1500 tokens;
+prefills twice: on wgmma (where it runs) and on mma.sync."""
 
 import os
 
@@ -13,16 +13,21 @@ import torch  # noqa: E402
 
 import astrai.extension  # noqa: F401, E402  (loads the library)
 
-# The binding's switches of each way to merge 2 decode splits (read on every call).
+# The binding's switches of each way to merge 2 decode splits, and of one split as eight-warp
+# blocks (read on every call).
+TWO = {"ASTR_DECODE_SPLITS": "2"}  # the only count merged in a pair
 MERGES = (
-    {"ASTR_DECODE_BLOCK_PAIRS": "1"},  # block pairs where they run (D = 128), else a cluster
-    {"ASTR_DECODE_BLOCK_PAIRS": "0"},  # a cluster
-    {"ASTR_DECODE_CLUSTER_MERGE": "0"},  # the merge kernel
+    {**TWO, "ASTR_DECODE_BLOCK_PAIRS": "1"},  # block pairs where they run (D = 128), else a cluster
+    {**TWO, "ASTR_DECODE_BLOCK_PAIRS": "0"},  # a cluster
+    {**TWO, "ASTR_DECODE_CLUSTER_MERGE": "0"},  # the merge kernel
+    {"ASTR_DECODE_SPLITS": "1", "ASTR_DECODE_EIGHT_WARPS": "1"},  # eight-warp blocks (D = 128)
 )
+SWITCHES = ("ASTR_DECODE_SPLITS", "ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE")
+SWITCHES += ("ASTR_DECODE_EIGHT_WARPS",)
 
 
 def set_merge(switches: dict) -> None:
-    for name in ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE"):
+    for name in SWITCHES:
         os.environ.pop(name, None)
     os.environ.update(switches)
 
@@ -54,7 +59,6 @@ def main() -> None:
                 )
             )
         decodes = []
-        os.environ["ASTR_DECODE_SPLITS"] = "2"  # the only count merged in a pair
         for merge in MERGES:
             set_merge(merge)
             decodes.append(
@@ -103,7 +107,7 @@ def main() -> None:
         torch.cuda.synchronize()
         assert all(torch.isfinite(x).all() for x in prefills + decodes + long_decodes)
         assert torch.allclose(prefills[0].float(), prefills[1].float(), atol=2e-2)
-        for other in (1, 2):
+        for other in range(1, len(MERGES)):
             assert torch.allclose(decodes[0].float(), decodes[other].float(), atol=2e-2)
             assert torch.allclose(long_decodes[0].float(), long_decodes[other].float(), atol=2e-2)
         print(f"head_dim {head_dim} page_size {page_size}: ok")

@@ -15,6 +15,7 @@
 
 #include "../check.h"
 #include "../kernels/launch.h"
+#include "../kernels/paged_decode_splits.h"
 
 namespace astrai::backends {
 namespace {
@@ -23,7 +24,9 @@ namespace {
 // ASTR_TUNE_KERNELS set before the first call, ASTR_DECODE_SPLITS forces the decode split count,
 // ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster and in-block merges off (the merge kernel),
 // ASTR_DECODE_BLOCK_PAIRS=0 the block pairs only (clusters where they run) and =1 runs block pairs
-// wherever they can, also on grids they do not fill, ASTR_PREFILL_WGMMA=0
+// wherever they can, also on grids they do not fill, ASTR_DECODE_EIGHT_WARPS=0 keeps the block
+// pairs where eight-warp blocks would replace them and =1 runs eight-warp blocks wherever the
+// block pairs would run (at any length) or one split is forced, ASTR_PREFILL_WGMMA=0
 // keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
 // head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
@@ -228,6 +231,21 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         (pairs_fill_gpu || tuning_switch_is_on("ASTR_DECODE_BLOCK_PAIRS")) &&
         !tuning_switch_is_off("ASTR_DECODE_BLOCK_PAIRS") &&
         !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
+    // Eight-warp blocks: one split on the block pairs' grid, where that pays (shapes only). A
+    // forced split count is kept, except for one split with the switch on.
+    const bool forced_splits = decode_split_count_override() > 0;
+    const bool eight_warps_on = tuning_switch_is_on("ASTR_DECODE_EIGHT_WARPS");
+    const bool eight_warps_replace_pairs =
+        params.merge_in_block_pairs && !forced_splits &&
+        (eight_warps_on || kernels::decode_eight_warp_blocks_pay(max_kv_len));
+    const bool eight_warps_forced = forced_splits && params.num_splits == 1 && eight_warps_on;
+    if ((eight_warps_replace_pairs || eight_warps_forced) &&
+        kernels::paged_decode_can_run_eight_warp_blocks(1, base.head_dim) &&
+        !tuning_switch_is_off("ASTR_DECODE_EIGHT_WARPS")) {
+      params.num_splits = 1;
+      params.merge_in_block_pairs = false;
+      params.eight_warp_blocks = true;
+    }
     params.merge_in_cluster = !params.merge_in_block_pairs &&
                               kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
                               !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");

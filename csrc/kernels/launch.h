@@ -36,6 +36,9 @@ bool paged_decode_can_merge_in_cluster(int num_splits);
 // per (sequence, kv head, row tile), merged in its shared memory) on the current device: 2 splits,
 // a head dim with a pair kernel, and room for the pair (paged_attention_dispatch.cu).
 bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim);
+// Whether the decode can run one split as eight-warp blocks (PagedAttentionTraits' kWarps) on the
+// current device: 1 split, a head dim with that kernel, and room for the block.
+bool paged_decode_can_run_eight_warp_blocks(int num_splits, int head_dim);
 // Whether block pairs would cover more than 2/3 of the SMs (decode_block_pairs_fill_gpu in
 // paged_decode_splits.h says why); where they would not, 2 splits run as 2 blocks.
 bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,

@@ -186,6 +186,24 @@ bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim) {
          paged_decode_block_pairs_compiled(head_dim) && current_device_fits_decode_block_pairs();
 }
 
+// The current device's shared memory per block (opt-in), kept per device.
+static int current_device_shared_memory_optin() {
+  static std::atomic<int> known[kMaxCachedDevices];
+  return current_device_answer(known, [](int device) {
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+        cudaSuccess)
+      return 0;
+    return optin;
+  });
+}
+
+bool paged_decode_can_run_eight_warp_blocks(int num_splits, int head_dim) {
+  using EightWarps = PagedAttentionTraits<128, true, 1, 8>;
+  return num_splits == 1 && paged_decode_eight_warp_blocks_compiled(head_dim) &&
+         current_device_shared_memory_optin() >= EightWarps::kBlockSmemBytes;
+}
+
 bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,
                                        int num_sms) {
   if (num_seqs <= 0 || num_kv_heads <= 0) return false;
@@ -220,6 +238,12 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
         std::to_string(params.head_dim) + ")"};
   if (params.merge_in_cluster && params.merge_in_block_pairs)
     return {"decode: merge_in_cluster and merge_in_block_pairs exclude each other"};
+  if (params.eight_warp_blocks &&
+      !paged_decode_can_run_eight_warp_blocks(params.num_splits, params.head_dim))
+    return {"decode: eight_warp_blocks needs 1 split, head_dim 128 and " +
+            std::to_string(PagedAttentionTraits<128, true, 1, 8>::kBlockSmemBytes / 1024) +
+            " KB of shared memory per block (got " + std::to_string(params.num_splits) +
+            " splits, head_dim " + std::to_string(params.head_dim) + ")"};
   if (params.num_splits > 1 && !params.merge_in_cluster && !params.merge_in_block_pairs &&
       params.workspace == nullptr)
     return {"decode with num_splits > 1 needs a workspace"};
@@ -230,6 +254,7 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
   args.num_splits = params.num_splits;
   args.merge_in_cluster = params.merge_in_cluster;
   args.merge_in_block_pairs = params.merge_in_block_pairs;
+  args.eight_warp_blocks = params.eight_warp_blocks;
   const size_t rows = (size_t)params.num_splits * params.num_tokens * params.num_q_heads;
   args.partial_out = params.workspace;
   args.partial_lse =
@@ -252,6 +277,7 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t
   args.num_splits = 1;
   args.merge_in_cluster = false;
   args.merge_in_block_pairs = false;
+  args.eight_warp_blocks = false;
   args.scale_log2 = params.scale * 1.4426950408889634f;
   const int group = params.num_q_heads / params.num_kv_heads;
   const int64_t rows = (int64_t)params.max_query_len * group;

@@ -18,6 +18,7 @@ struct PagedKernelArgs {
   int num_splits;                  // decode: kv chunks per sequence (grid z)
   bool merge_in_cluster;           // decode: the splits form a cluster and merge in it
   bool merge_in_block_pairs;       // decode: 2 splits run as one block of two groups
+  bool eight_warp_blocks;          // decode, 1 split: one block of 8 warps per row tile
   float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
   float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
   float scale_log2;                // scale * log2(e): softmax runs on exp2

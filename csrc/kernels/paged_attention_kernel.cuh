@@ -105,7 +105,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
                           ? static_cast<int>(min((int64_t)p.block_table_width << p.log2_page_size,
                                                  (int64_t)INT32_MAX))
                           : kv_end;
-  KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
+  // The eight-warp decode block's page-id ring follows the V stages (Traits::kPageIdRing).
+  KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid,
+                                 reinterpret_cast<int32_t*>(v_smem + Traits::kKVSmemElements));
 
   // ---- per-warp state ----------------------------------------------------------------------
   // Rows of this warp: decode, the block's 16 rows (warps split kv); prefill, kMRep x 16 rows.
@@ -139,17 +141,27 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // block-table read latency hides behind a tile's compute: at page size 1 every row has its own
   // lookup. Its prologue issues every stage, empty or not: the first lookups then do not depend
   // on seq_len (see KVTileSource::lookup_end) and both reads are in flight together. Prefill
-  // (compute-bound, no registers to spare) looks up just before the copy.
+  // (compute-bound, no registers to spare) looks up just before the copy. With the page-id ring
+  // (eight-warp decode blocks) the ids of the first kStages tiles are waited for here, and each
+  // step then carries the ids of the tile kStages after its own, which land before they are used.
   load_q();  // committed with the first K/V step
+  if constexpr (Traits::kPageIdRing) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) loader.fetch_ids(s);
+    loader.commit();
+    cp_async_wait<0>();
+    sync_group();
+  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (kDecode || s < num_tiles) {
-      loader.lookup(s);
+      if constexpr (!Traits::kPageIdRing) loader.lookup(s);
       loader.issue(s, s);
+      if constexpr (Traits::kPageIdRing) loader.fetch_ids(s + kStages);
     }
     loader.commit();  // one step per stage, empty or not, keeps the wait counts uniform
   }
-  if constexpr (kDecode) loader.lookup(kStages - 1);
+  if constexpr (kDecode && !Traits::kPageIdRing) loader.lookup(kStages - 1);
 
   if constexpr (kDecode) timeline.prologue = DecodeTimeline::now();
 
@@ -166,8 +178,11 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
       if constexpr (!kDecode) loader.lookup(next);
       loader.issue(next, next % kStages);
     }
+    if constexpr (Traits::kPageIdRing) {
+      if (next + kStages < num_tiles) loader.fetch_ids(next + kStages);
+    }
     loader.commit();
-    if constexpr (kDecode) loader.lookup(next + 1);
+    if constexpr (kDecode && !Traits::kPageIdRing) loader.lookup(next + 1);
     loader.wait();
     if (kDecode && tile == 0) timeline.first_tile = DecodeTimeline::now();
 
@@ -561,10 +576,15 @@ LaunchStatus launch_paged_attention(const PagedKernelArgs& args, int grid_rows,
   return status_after_launch("paged_decode_merge_kernel");
 }
 
-// Launches the instantiation the arguments ask for: the block pair kernel where the decode merges
-// in block pairs, else the kernel of single groups.
+// Launches the instantiation the arguments ask for: the eight-warp decode block or the block pair
+// kernel where the decode asks for them, else the kernel of single groups of 4 warps.
 template <int D, typename T, bool kDecode>
 LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream) {
+  if constexpr (kDecode && paged_decode_eight_warp_blocks_compiled(D)) {
+    if (args.eight_warp_blocks)
+      return launch_paged_attention<PagedAttentionTraits<D, true, 1, 8>, T>(args, grid_rows,
+                                                                            stream);
+  }
   if constexpr (kDecode && paged_decode_block_pairs_compiled(D)) {
     if (args.merge_in_block_pairs)
       return launch_paged_attention<PagedAttentionTraits<D, true, 2>, T>(args, grid_rows, stream);

@@ -90,10 +90,13 @@ struct PagedAttentionParams {
 // no workspace and no second kernel. merge_in_block_pairs does the same without a cluster: the 2
 // splits run as two groups of warps of one block and merge through its shared memory (where
 // paged_decode_can_merge_in_block_pairs says the pair fits the SM as well as 2 blocks do).
+// eight_warp_blocks (1 split): one block of 8 warps per (sequence, kv head, row tile), one per SM,
+// which the binding runs in place of block pairs (paged_decode_eight_warp_blocks_pay).
 struct PagedDecodeParams : PagedAttentionParams {
   int num_splits;             // from paged_decode_num_splits(); 1 = no workspace needed
   bool merge_in_cluster;      // only where paged_decode_can_merge_in_cluster(num_splits)
   bool merge_in_block_pairs;  // only where paged_decode_can_merge_in_block_pairs(...)
+  bool eight_warp_blocks;     // only where paged_decode_can_run_eight_warp_blocks(...)
   float* workspace;  // paged_decode_workspace_floats() floats, or null when none are needed
 };
 

@@ -18,7 +18,10 @@
 // as two such groups of warps (kGroups below), merged in its shared memory. SDPA cuDNN's shape
 // (128-position tiles, one block of 4 warps per SM, no split at B >= 16) measured 0.92-0.985x of
 // these 64-position tiles in this kernel
-// (results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
+// (results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md). One group of 8 warps over
+// 128-position tiles (kWarps below), one block per SM with the page ids two tiles ahead in shared
+// memory, is what runs at one wave in place of the block pairs up to 16384 positions
+// (paged_decode_splits.h has the rule and its measurements).
 //
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
@@ -41,11 +44,16 @@ constexpr int kSmSharedMemoryBytes = 228 * 1024;
 constexpr int kBlockSharedMemoryLimitBytes = 227 * 1024;
 constexpr int kSharedMemoryReservedPerBlock = 1024;
 
-template <int kHeadDim_, bool kDecode_, int kGroups_ = 1>
+// kWarps_: warps of a group. 4, except the decode's eight-warp blocks (D = 128): one group of 8
+// warps, 16 kv positions of every tile each, as every decode group splits its tiles, so its tiles
+// are 128 positions; one block per SM, page ids from a ring in shared memory (kPageIdRing).
+template <int kHeadDim_, bool kDecode_, int kGroups_ = 1, int kWarps_ = 4>
 struct PagedAttentionTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kDecode = kDecode_;
-  static constexpr int kWarps = 4;
+  static constexpr int kWarps = kWarps_;
+  static_assert(kWarps == 4 || (kWarps == 8 && kDecode && kGroups_ == 1),
+                "4 warps, or 8 in decode");
   static constexpr int kThreads = kWarps * 32;        // one group's (see kGroups)
   static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row of D elements
 
@@ -55,7 +63,7 @@ struct PagedAttentionTraits {
   static constexpr int kBlockRows = kDecode ? 16 : kWarps * 16 * kRowBlocksPerWarp;
 
   // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each).
-  static constexpr int kTileN = kDecode ? 64 : (kHeadDim <= 128 ? 64 : 32);
+  static constexpr int kTileN = kDecode ? 16 * kWarps : (kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
   // Pipeline depth: 2 stages (the tile being waited for and the next one). Decode has room for 3
@@ -85,7 +93,16 @@ struct PagedAttentionTraits {
   // 16 rows x D / 2 floats of output, then 16 maxima and 16 sums.
   static constexpr int kClusterSplits = 2;
   static constexpr int kIncomingBytes = kDecode ? (16 * kHeadDim / kClusterSplits + 32) * 4 : 0;
-  static constexpr int kSmemBytes = (kQSmemElements + 2 * kKVSmemElements) * 2 + kIncomingBytes;
+  // Page ids from a ring in shared memory instead of registers (paged_kv_tile_loader.cuh): the
+  // eight-warp decode block. A single group per SM waits for its page ids where two groups hide
+  // that wait behind each other (the ring took one group of 4 warps 4.4-5.9% faster,
+  // results/decode_one_group_per_sm_NVIDIA-H200_2026-12-03.md). The ring holds kPageIdSlots tiles
+  // of kTileN ids (one per row, at page size 1), after the V stages.
+  static constexpr bool kPageIdRing = kDecode && kWarps == 8;
+  static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
+  static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
+  static constexpr int kSmemBytes =
+      (kQSmemElements + 2 * kKVSmemElements) * 2 + kPageIdBytes + kIncomingBytes;
 
   // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads
   // rows so the float2 stores of a warp hit distinct banks) plus m and l per row.
@@ -94,11 +111,13 @@ struct PagedAttentionTraits {
   static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * 2, "merge buffer too large");
 
   // Resident decode blocks per SM (single blocks), which the split rule and the block pairs count
-  // on: 4 at D = 64, 2 at D = 128, 1 at D = 256. A block reserves just over 1 / (n + 1) of an
-  // H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so that no more than n fit:
-  // at D = 128 3 blocks of 2 stages measured the same as 2 within noise (same results file), and
-  // at D = 64 4 blocks fill one wave where 3 did not (B=64 Hkv=8: 512 blocks, 528 slots; 1.2x).
-  static constexpr int kDecodeBlocksPerSm = kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 2 : 1);
+  // on: 4 at D = 64, 2 at D = 128, 1 at D = 256; 1 eight-warp block. A block reserves just over 1 /
+  // (n + 1) of an H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so that no more
+  // than n fit: at D = 128 3 blocks of 2 stages measured the same as 2 within noise (same results
+  // file), and at D = 64 4 blocks fill one wave where 3 did not (B=64 Hkv=8: 512 blocks, 528
+  // slots; 1.2x).
+  static constexpr int kDecodeBlocksPerSm =
+      kWarps == 8 ? 1 : (kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 2 : 1));
   static constexpr int kShareOfOneBlockMoreBytes =
       kSmSharedMemoryBytes / (kDecodeBlocksPerSm + 1) - kSharedMemoryReservedPerBlock;
   static constexpr int kMinSmemBytes = kDecode ? (kShareOfOneBlockMoreBytes / 128 + 1) * 128 : 0;
@@ -139,5 +158,7 @@ struct PagedAttentionTraits {
 // Head dims with a block-pair decode kernel: D = 128, whose pair (2 x 72 KB) takes an H200 SM as
 // its 2 single blocks do. (D = 64 runs 4 single blocks per SM, D = 256 pairs do not fit.)
 constexpr bool paged_decode_block_pairs_compiled(int head_dim) { return head_dim == 128; }
+// Head dims with an eight-warp decode kernel: D = 128, where it replaces the block pairs.
+constexpr bool paged_decode_eight_warp_blocks_compiled(int head_dim) { return head_dim == 128; }
 
 }  // namespace astrai::kernels

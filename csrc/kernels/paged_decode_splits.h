@@ -47,4 +47,27 @@ constexpr bool decode_block_pairs_fill_gpu(int64_t pair_blocks, int64_t num_sms)
   return pair_blocks > 0 && num_sms > 0 && 3 * pair_blocks > 2 * num_sms;
 }
 
+// Whether one split as eight-warp blocks (one block of 8 warps per (sequence, kv head, row tile),
+// one per SM, page ids from a ring in shared memory; PagedAttentionTraits' kWarps) replaces the 2
+// splits of block pairs, on the same grid. max_kv_len: the block table's width in positions. H200,
+// bf16, Hq=32, D=128, shuffled pages, kernel us (profiler) eight warps / block pairs, one column
+// per process of benchmarks/decode_pairs_ab.py, the last one this tree
+// (results/decode_eight_warp_blocks_NVIDIA-H200_2026-12-03.md):
+//
+//   B, Hkv, L      page 16                                           page 1       page 256
+//   16, 8, 2048    33.6/34.2   34.1/34.6   34.7/35.0   33.3/34.1     34.0/34.5    33.3/34.1
+//   16, 8, 4096    63.9/65.0   62.7/63.5   63.7/64.6   62.1/63.4
+//   16, 8, 8192    122.9/124.8 122.3/122.8 123.1/124.8 122.4/124.1   125.4/125.9  122.0/122.2
+//   16, 8, 16384   241.6/242.8 240.9/242.5
+//   16, 8, 32768   481.7/482.1 468.8/466.7 482.3/477.5 478.0/477.6   489.6/488.1  477.7/480.3
+//   12, 8, 4096    49.9/50.9   48.7/50.0
+//   4, 32, 4096    63.8/64.0   62.3/62.6   62.7/62.0
+//   32, 4, 2048    34.9/34.5
+//
+// 0.5-2.6% faster up to 16384 positions (Hkv = 32 and group 8 within +-1.2%); at 32768 level on
+// average (-1.0% to +0.5%), where the block pairs stay.
+constexpr bool decode_eight_warp_blocks_pay(int64_t max_kv_len) {
+  return max_kv_len > 0 && max_kv_len <= 16384;
+}
+
 }  // namespace astrai::kernels

@@ -3,6 +3,8 @@
 //
 //   lookup(tile)        read the page ids of the tile's rows into registers (tile t of a block
 //                       starts at kv position kv_begin + t * tile_step)
+//   fetch_ids(tile)     Traits::kPageIdRing instead: start copying the tile's page ids into its
+//                       slot of a ring in shared memory, landed with the next commit's step
 //   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
 //   commit()            close the copies issued so far as one pipeline step
 //   wait()              block until the oldest pending tile is in shared memory, visible to
@@ -77,29 +79,54 @@ struct KVTileLoader {
   static_assert(kThreads % kChunks == 0, "a thread's rows must keep one column");
   static_assert((kTileN * kChunks) % kThreads == 0, "tile copy must divide evenly");
 
+  // Page ids: one tile ahead in registers (lookup), or from the ring (fetch_ids): kIdSlots tiles
+  // of kTileN ids, tile t in slot t % kIdSlots.
+  static constexpr bool kIdRing = Traits::kPageIdRing;
+  static constexpr int kIdSlots = Traits::kPageIdSlots;
+  static_assert(!kIdRing || (kIdSlots >= 2 * kStages && (kIdSlots & (kIdSlots - 1)) == 0),
+                "page-id ring: a power of two of at least 2 x kStages slots");
+  static_assert(!kIdRing || kTileN <= kThreads, "page-id ring: one thread per id");
+
   KVTileSource src;
   T* k_smem;
   T* v_smem;
   const char* k_thread;  // k_head + this thread's column
   const char* v_thread;
-  int row0, chunk;
-  int pages[kCopies];
+  int row0, chunk, thread;
+  int pages[kIdRing ? 1 : kCopies];
+  int32_t* id_ring;  // kIdRing: [kIdSlots][kTileN]
 
   __device__ __forceinline__ KVTileLoader(const KVTileSource& source, T* k_stages, T* v_stages,
-                                          int tid)
-      : src(source), k_smem(k_stages), v_smem(v_stages) {
+                                          int tid, int32_t* page_id_ring = nullptr)
+      : src(source), k_smem(k_stages), v_smem(v_stages), id_ring(page_id_ring) {
     row0 = tid / kChunks;
     chunk = tid % kChunks;
+    thread = tid;
     k_thread = src.k_head + chunk * 8 * (int)sizeof(T);
     v_thread = src.v_head + chunk * 8 * (int)sizeof(T);
   }
 
   __device__ __forceinline__ void lookup(int tile) {
+    static_assert(!kIdRing, "lookup: page ids in registers");
     const int pos0 = src.kv_begin + tile * src.tile_step + row0;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int pos = pos0 + i * kRowsPerPass;
       pages[i] = pos < src.lookup_end ? src.block_table[pos >> src.log2_page_size] : 0;
+    }
+  }
+
+  // kIdRing: one thread per page id of the tile (tiles start at multiples of kTileN, so a tile
+  // spans kTileN / page size pages, or one); ids past the block table's width read as 0.
+  __device__ __forceinline__ void fetch_ids(int tile) {
+    static_assert(kIdRing, "fetch_ids: the page-id ring");
+    const int log2_page = src.log2_page_size;
+    const int count = max(1, kTileN >> log2_page);
+    if (thread < count) {
+      const int index = ((src.kv_begin + tile * src.tile_step) >> log2_page) + thread;
+      const bool valid = index < (src.lookup_end >> log2_page);
+      cp_async_4(shared_address(id_ring + (tile & (kIdSlots - 1)) * kTileN + thread),
+                 src.block_table + (valid ? index : 0), valid);
     }
   }
 
@@ -114,7 +141,14 @@ struct KVTileLoader {
       // Rows past kv_end read nothing (zero fill); page 0 keeps their address a plain pool
       // address (their looked-up id may be anything).
       const bool valid = pos < src.kv_end;
-      const int page = valid ? pages[i] : 0;
+      int page = 0;
+      if (valid) {
+        if constexpr (kIdRing)
+          page = id_ring[(tile & (kIdSlots - 1)) * kTileN +
+                         ((row0 + i * kRowsPerPass) >> src.log2_page_size)];
+        else
+          page = pages[i];
+      }
       const int slot = pos & page_mask;
       const char* k_src =
           k_thread + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));

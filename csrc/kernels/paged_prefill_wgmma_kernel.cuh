@@ -51,6 +51,8 @@ struct PrefillWgmmaTraits {
   static constexpr int kStages = 3;  // tile t in use, t + 1 landed, t + 2 in flight
   static constexpr int kChunksPerRow = kHeadDim / 8;
   static constexpr bool kWgmmaTiles = true;
+  static constexpr bool kPageIdRing = false;  // page ids into registers (paged_kv_tile_loader.cuh)
+  static constexpr int kPageIdSlots = 0;
   static constexpr int kTileElements = kTileN * kHeadDim;
   static constexpr int kQElements = kBlockRows * kHeadDim;
   // + 1024: the tiles start on the first 1024-byte boundary of the dynamic shared memory.

@@ -221,33 +221,37 @@ def test_decode_long_sequence_uses_splits(dtype):
 
 
 # How 2 splits merge, by the binding's tuning switches: "auto" (block pairs where they run, D = 128
-# on sm_90, and fill the GPU; else a cluster on sm_90, else the merge kernel), "pairs" (one block
-# of two groups of warps wherever that runs, else as auto), "cluster" (block pairs off) and
-# "kernel" (the workspace and the merge kernel).
+# on sm_90, and fill the GPU, unless eight-warp blocks replace them; else a cluster on sm_90, else
+# the merge kernel), "pairs" (one block of two groups of warps wherever that runs, else as auto),
+# "cluster" (block pairs off) and "kernel" (the workspace and the merge kernel). "eight": one split
+# forced runs as eight-warp blocks (D = 128, where the block fits), and they replace the block
+# pairs at any length.
 MERGE_SWITCHES = {
     "auto": {},
-    "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1"},
+    "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1", "ASTR_DECODE_EIGHT_WARPS": "0"},
     "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
     "kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
+    "eight": {"ASTR_DECODE_EIGHT_WARPS": "1"},
 }
 
 
 def set_merge(monkeypatch, merge):
-    for name in ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE"):
+    for name in ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE", "ASTR_DECODE_EIGHT_WARPS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in MERGE_SWITCHES[merge].items():
         monkeypatch.setenv(name, value)
 
 
-SPLITS_AND_MERGES = [(1, "auto"), (2, "pairs"), (2, "cluster"), (2, "kernel")]
+SPLITS_AND_MERGES = [(1, "auto"), (1, "eight"), (2, "pairs"), (2, "cluster"), (2, "kernel")]
 SPLITS_AND_MERGES += [(n, "auto") for n in (3, 5, 8, 9, 32)]
 
 
 @pytest.mark.parametrize("splits,merge", SPLITS_AND_MERGES)
 @pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 4), (128, 24), (256, 8)])
 def test_decode_every_split_count_merges_the_same(head_dim, group, splits, merge, monkeypatch):
-    """A forced split count; 2 splits merged in a block pair, in a cluster or by the merge kernel
-    (MERGE_SWITCHES), other counts by the merge kernel. Lengths 1 and 100 leave most splits empty;
+    """A forced split count; 1 split also as eight-warp blocks (D = 128), 2 splits merged in a
+    block pair, in a cluster or by the merge kernel (MERGE_SWITCHES), other counts by the merge
+    kernel. Lengths 1 and 100 leave most splits empty;
     group 24 takes two row tiles, the second half empty; one sequence's mask hides every key
     (zeros)."""
     monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
@@ -398,8 +402,9 @@ def launched_kernel_names(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-PAIR_KERNEL = "PagedAttentionTraits<128, true, 2>"
-SINGLE_KERNEL = "PagedAttentionTraits<128, true, 1>"
+PAIR_KERNEL = "PagedAttentionTraits<128, true, 2, 4>"
+SINGLE_KERNEL = "PagedAttentionTraits<128, true, 1, 4>"
+EIGHT_WARP_KERNEL = "PagedAttentionTraits<128, true, 1, 8>"
 
 
 @pytest.mark.skipif(
@@ -409,19 +414,21 @@ SINGLE_KERNEL = "PagedAttentionTraits<128, true, 1>"
 @pytest.mark.parametrize(
     "batch_size,head_dim,merge,expected",
     [
-        (16, 128, "auto", PAIR_KERNEL),  # 128 pair blocks: the split rule's 2, as pairs
+        (16, 128, "pairs", PAIR_KERNEL),  # 128 pair blocks: the split rule's 2, as pairs
         (2, 128, "auto", SINGLE_KERNEL),  # 4 pair blocks do not fill the GPU: a cluster
         (2, 128, "pairs", PAIR_KERNEL),
         (16, 128, "cluster", SINGLE_KERNEL),
         (16, 128, "kernel", "paged_decode_merge_kernel"),
-        (2, 64, "pairs", "PagedAttentionTraits<64, true, 1>"),  # 4 blocks per SM: no pair kernel
+        (2, 64, "pairs", "PagedAttentionTraits<64, true, 1, 4>"),  # 4 per SM: no pair kernel
+        (16, 128, "auto", EIGHT_WARP_KERNEL),  # the pairs' grid, a short block table: 1 split
     ],
 )
 def test_decode_two_splits_run_the_chosen_merge(batch_size, head_dim, merge, expected, monkeypatch):
     """On the H200 two splits run as block pairs at D = 128 where the pairs fill the GPU (one
     launch, no merge kernel), as a cluster where they do not or with block pairs off, and with the
-    merge kernel with both off. Batch 16 (Hkv = 8) takes 2 splits from the split rule; batch 2 is
-    forced to 2."""
+    merge kernel with both off; where the block table holds at most 16384 positions, one split of
+    eight-warp blocks replaces the pairs. Batch 16 (Hkv = 8) takes 2 splits from the split rule;
+    batch 2 is forced to 2."""
     if batch_size == 2:
         monkeypatch.setenv("ASTR_DECODE_SPLITS", "2")
     set_merge(monkeypatch, merge)
@@ -439,14 +446,70 @@ def test_decode_two_splits_run_the_chosen_merge(batch_size, head_dim, merge, exp
     assert_close(run_decode(batch), ref, torch.bfloat16)
 
 
+def force_eight_warp_blocks(monkeypatch):
+    monkeypatch.setenv("ASTR_DECODE_SPLITS", "1")
+    set_merge(monkeypatch, "eight")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("group", [1, 4, 8, 16, 24])
+def test_decode_eight_warp_blocks_match_reference(dtype, page_size, group, monkeypatch):
+    """One split as eight-warp blocks (D = 128): 128-position tiles whose page ids come from the
+    ring in shared memory, one id per row at page 1, one per tile at page 256. Lengths of 1, one
+    tile, one tile and one position, a long one and a random one; group 24 takes two row tiles."""
+    force_eight_warp_blocks(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(2000 + page_size + group)
+    lens = [1, 128, 129, 8192, int(torch.randint(2, 8192, (1,), generator=g, device="cuda"))]
+    batch = PagedBatch(lens, [1] * len(lens), 2 * group, 2, 128, page_size, dtype, generator=g)
+    out = run_decode(batch)
+    assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
+
+
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
+def test_decode_eight_warp_blocks_with_mask_and_any_scale(scale, monkeypatch):
+    """Eight-warp blocks with a user mask (one sequence sees no key: zeros) and scales of any
+    sign."""
+    force_eight_warp_blocks(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(31)
+    batch = PagedBatch([700, 5, 3000], [1] * 3, 8, 2, 128, 16, torch.bfloat16, generator=g)
+    mask = torch.rand(3, 3000, generator=g, device="cuda") > 0.3
+    mask[1] = False
+    out = run_decode(batch, attn_mask=mask, scale=scale)
+    assert_close(out, reference(batch, batch.q, True, scale, mask), torch.bfloat16)
+    assert (out[1] == 0).all()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="block pairs: an sm_90 GPU",
+)
+def test_decode_eight_warp_blocks_replace_pairs_up_to_16384_positions(monkeypatch):
+    """The rule reads the block table's width, never seq_lens: a table of at most 16384 positions
+    runs eight-warp blocks on the pairs' grid, a wider one the block pairs, at the same lengths."""
+    set_merge(monkeypatch, "auto")
+    g = torch.Generator(device="cuda").manual_seed(41)
+    lens = torch.randint(1, 2500, (16,), generator=g, device="cuda").tolist()
+    for extra_pages, expected in ((2, EIGHT_WARP_KERNEL), (1030, PAIR_KERNEL)):
+        batch = PagedBatch(
+            lens, [1] * 16, 32, 8, 128, 16, torch.bfloat16, generator=g, extra_width=extra_pages
+        )
+        names = launched_kernel_names(lambda batch=batch: run_decode(batch))
+        attention = [n for n in names if "paged_attention_kernel" in n or "merge_kernel" in n]
+        assert len(attention) == 1 and expected in attention[0], attention
+        ref = reference(batch, batch.q, True, 1.0 / math.sqrt(128))
+        assert_close(run_decode(batch), ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize(
-    "splits,merge", [(None, "auto"), (2, "pairs"), (2, "cluster"), (2, "kernel"), (24, "auto")]
+    "splits,merge",
+    [(None, "auto"), (1, "eight"), (2, "pairs"), (2, "cluster"), (2, "kernel"), (24, "auto")],
 )
 def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, monkeypatch):
     """Capture one decode step, then replay it as the sequences grow: the split count and the
     workspace come from shapes, the per-split chunk from the seq_lens read on the device. With the
-    heuristic's split count, and forced to 2 (merged in a block pair or a cluster on sm_90, or by
-    the merge kernel) and to 24 (the merge kernel)."""
+    heuristic's split count, forced to 1 as eight-warp blocks, to 2 (merged in a block pair or a
+    cluster on sm_90, or by the merge kernel) and to 24 (the merge kernel)."""
     if splits is not None:
         monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
     set_merge(monkeypatch, merge)
