@@ -25,8 +25,9 @@ namespace {
 // ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster and in-block merges off (the merge kernel),
 // ASTR_DECODE_BLOCK_PAIRS=0 the block pairs only (clusters where they run) and =1 runs block pairs
 // wherever they can, also on grids they do not fill, ASTR_DECODE_EIGHT_WARPS=0 keeps the block
-// pairs where eight-warp blocks would replace them and =1 runs eight-warp blocks wherever the
-// block pairs would run (at any length) or one split is forced, ASTR_PREFILL_WGMMA=0
+// pairs where eight-warp blocks would replace them and =1 runs eight-warp blocks where the split
+// rule's block pairs would run (at any length) or where 1 split is forced (other forced counts are
+// kept), ASTR_PREFILL_WGMMA=0
 // keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
 // head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
@@ -223,7 +224,8 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     params.num_splits =
         kernels::paged_decode_num_splits(base.num_seqs, base.num_q_heads, base.num_kv_heads,
                                          static_cast<int>(max_kv_len), base.head_dim, num_sms);
-    if (const int forced = decode_split_count_override(); forced > 0) params.num_splits = forced;
+    const int forced_split_count = decode_split_count_override();
+    if (forced_split_count > 0) params.num_splits = forced_split_count;
     const bool pairs_fill_gpu = kernels::paged_decode_block_pairs_fill_gpu(
         base.num_seqs, base.num_q_heads, base.num_kv_heads, num_sms);
     params.merge_in_block_pairs =
@@ -233,7 +235,7 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
         !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
     // Eight-warp blocks: one split on the block pairs' grid, where that pays (shapes only). A
     // forced split count is kept, except for one split with the switch on.
-    const bool forced_splits = decode_split_count_override() > 0;
+    const bool forced_splits = forced_split_count > 0;
     const bool eight_warps_on = tuning_switch_is_on("ASTR_DECODE_EIGHT_WARPS");
     const bool eight_warps_replace_pairs =
         params.merge_in_block_pairs && !forced_splits &&

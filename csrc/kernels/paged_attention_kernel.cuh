@@ -142,9 +142,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // lookup. Its prologue issues every stage, empty or not: the first lookups then do not depend
   // on seq_len (see KVTileSource::lookup_end) and both reads are in flight together. Prefill
   // (compute-bound, no registers to spare) looks up just before the copy. With the page-id ring
-  // (eight-warp decode blocks) the ids of the first kStages tiles are waited for here, and each
-  // step then carries the ids of the tile kStages after its own, which land before they are used.
-  load_q();  // committed with the first K/V step
+  // (eight-warp decode blocks) the ids of the first kStages tiles are waited for here, with the
+  // query, before the first copy; each step then carries the ids of the tile kStages after its
+  // own, which land before they are used.
+  load_q();  // committed with the first K/V step (with the ring: with the first ids)
   if constexpr (Traits::kPageIdRing) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) loader.fetch_ids(s);

@@ -466,6 +466,31 @@ def test_decode_eight_warp_blocks_match_reference(dtype, page_size, group, monke
     assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
 
 
+def eight_warp_block_fits():
+    """The eight-warp block's shared memory (141440 bytes) against the device's opt-in limit."""
+    props = torch.cuda.get_device_properties(0)
+    return getattr(props, "shared_memory_per_block_optin", 0) >= 141440
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not eight_warp_block_fits(),
+    reason="eight-warp blocks: a GPU that gives a block 138 KB of shared memory",
+)
+def test_decode_forced_one_split_runs_eight_warp_blocks(monkeypatch):
+    """With one split forced and the switch on, D = 128 runs the eight-warp kernel, which the tests
+    of that route above rely on; other head dims keep their 4-warp kernel."""
+    force_eight_warp_blocks(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(43)
+    for head_dim, expected in (
+        (128, EIGHT_WARP_KERNEL),
+        (64, "PagedAttentionTraits<64, true, 1, 4>"),
+    ):
+        batch = PagedBatch([300, 1500], [1, 1], 8, 2, head_dim, 16, torch.bfloat16, generator=g)
+        names = launched_kernel_names(lambda batch=batch: run_decode(batch))
+        attention = [n for n in names if "paged_attention_kernel" in n or "merge_kernel" in n]
+        assert len(attention) == 1 and expected in attention[0], attention
+
+
 @pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
 def test_decode_eight_warp_blocks_with_mask_and_any_scale(scale, monkeypatch):
     """Eight-warp blocks with a user mask (one sequence sees no key: zeros) and scales of any
