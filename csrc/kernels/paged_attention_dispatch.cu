@@ -128,6 +128,17 @@ int current_device_arch() {
   });
 }
 
+// A device attribute of the current device (0 if it cannot be read), kept per device: the decode
+// rules ask for shared-memory sizes on every call.
+template <cudaDeviceAttr kAttribute>
+static int current_device_attribute() {
+  static std::atomic<int> known[kMaxCachedDevices];
+  return current_device_answer(known, [](int device) {
+    int value = 0;
+    return cudaDeviceGetAttribute(&value, kAttribute, device) == cudaSuccess ? value : 0;
+  });
+}
+
 // Where the wgmma prefill beats the mma.sync one (H200, causal bf16, bench_attention.py --quick,
 // TFLOP/s wgmma vs mma.sync): at D = 128 on every row, 1.06-1.52x (B=2 S=4096 GQA 343 vs 300,
 // ragged batch 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not, even with 128-wide tiles
@@ -156,24 +167,14 @@ bool paged_decode_can_merge_in_cluster(int num_splits) {
 
 // Whether an SM of the current device holds the D = 128 block pair as well as 2 single blocks:
 // the pair fits one block's shared memory, and the SM holds half as many pairs as single blocks
-// (else pairs would leave slots of the one-wave split rule empty). Kept per device (1 = no,
-// 2 = yes).
+// (else pairs would leave slots of the one-wave split rule empty).
 static bool current_device_fits_decode_block_pairs() {
   using Pair = PagedAttentionTraits<128, true, 2>;
-  static std::atomic<int> known[kMaxCachedDevices];
-  return current_device_answer(known, [](int device) {
-           int optin = 0, per_sm = 0;
-           if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-                   cudaSuccess ||
-               cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                      device) != cudaSuccess)
-             return 0;
-           const int pairs_per_sm =
-               per_sm / (Pair::kBlockSmemBytes + kSharedMemoryReservedPerBlock);
-           const bool fits = optin >= Pair::kBlockSmemBytes &&
-                             2 * pairs_per_sm >= PagedAttentionTraits<128, true>::kBlocksPerSm;
-           return fits ? 2 : 1;
-         }) == 2;
+  const int optin = current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
+  const int per_sm = current_device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>();
+  const int pairs_per_sm = per_sm / (Pair::kBlockSmemBytes + kSharedMemoryReservedPerBlock);
+  return optin >= Pair::kBlockSmemBytes &&
+         2 * pairs_per_sm >= PagedAttentionTraits<128, true>::kBlocksPerSm;
 }
 
 // Block pairs against clusters of 2 on the H200 (bf16, Hq=32, D=128, page 16, us per call, two
@@ -186,22 +187,11 @@ bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim) {
          paged_decode_block_pairs_compiled(head_dim) && current_device_fits_decode_block_pairs();
 }
 
-// The current device's shared memory per block (opt-in), kept per device.
-static int current_device_shared_memory_optin() {
-  static std::atomic<int> known[kMaxCachedDevices];
-  return current_device_answer(known, [](int device) {
-    int optin = 0;
-    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-        cudaSuccess)
-      return 0;
-    return optin;
-  });
-}
-
 bool paged_decode_can_run_eight_warp_blocks(int num_splits, int head_dim) {
   using EightWarps = PagedAttentionTraits<128, true, 1, 8>;
   return num_splits == 1 && paged_decode_eight_warp_blocks_compiled(head_dim) &&
-         current_device_shared_memory_optin() >= EightWarps::kBlockSmemBytes;
+         current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >=
+             EightWarps::kBlockSmemBytes;
 }
 
 bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,
