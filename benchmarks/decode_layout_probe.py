@@ -1,7 +1,7 @@
 """Does the decode's speed depend on how the pool is laid out, or on a cold block table?
 (GPU diagnostic.)
 
-    python3 benchmarks/decode_layout_probe.py [--rounds 3] [--out DIR]
+    python3 benchmarks/decode_layout_probe.py [--rounds 3] [--shapes BxLxHkv,...] [--out DIR]
 
 The cuda backend reads any [P, S, Hkv, D] view whose last dim is contiguous, so one pool can be
 stored four ways and passed as such a view:
@@ -160,8 +160,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--shapes", default=None, help="BxLxHkv,... (default: SHAPES)")
     parser.add_argument("--out", default=None, help="write decode_layout_probe.md/.json here")
     args = parser.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     import astrai.extension  # noqa: F401  (loads the library)
 
     torch.manual_seed(0)
@@ -169,12 +173,14 @@ def main() -> None:
     copy_bytes, copy_ms = bench._copy_ms(timer)
     copy = copy_bytes / (copy_ms / 1e3) / 1e12
     rows = []
-    for batch, length, hkv in SHAPES:
+    for batch, length, hkv in shapes:
         rows.append(probe_shape(timer, batch, length, hkv, args.rounds))
         print(json.dumps(rows[-1]), flush=True)
         bench.free_cached()
     env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     command = "python3 benchmarks/decode_layout_probe.py --rounds " + str(args.rounds)
+    if args.shapes:
+        command += " --shapes " + args.shapes
     text = markdown(rows, copy, env, command)
     print(text)
     if args.out:

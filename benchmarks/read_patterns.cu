@@ -9,13 +9,15 @@
 // smaller tiles with more stages, one block per SM, 256 threads, a persistent grid, and warps
 // that each stream their own part with their own stages (no block barrier), on NHD and HND.
 // "kvsplit" compares SDPA cuDNN's decode pipeline (K and V in separate steps, one buffer each, read
-// from its disassembly) with ours, at one block per (sequence, kv head) and at two.
+// from its disassembly) with ours, at one block per (sequence, kv head) and at two. "layouts" reads
+// the same bytes NHD and HND with the current decode's forms (8 warps with 128-row tiles, 4 warps
+// with 64-row tiles, 2 stages each) and cuDNN's, one block per (sequence, kv head).
 // Each line is the median of 15 launches, L2 emptied before each by a 256 MB write followed by a
 // 256 MB read of another buffer ("clean"), or by the write alone ("dirty", whose write-back then
 // lands inside the timed launch).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 benchmarks/read_patterns.cu \
-//       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies | kvsplit]
+//       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies | kvsplit | layouts]
 //
 // Readings (H200): results/read_patterns_NVIDIA-H200_2026-12-02.md, kvsplit in
 // results/decode_cudnn_pipeline_NVIDIA-H200_2026-12-03.md; what they changed: NOTES.md.
@@ -338,7 +340,8 @@ int main(int argc, char** argv) {
   // "details" (default): run 2 of the readings, one detail of the attention kernel's copy per
   // line, NHD layout. "strategies": run 1, loading strategies, NHD and HND, three flushes.
   const bool kvsplit = argc >= 2 && std::string(argv[1]) == "kvsplit";
-  const bool details = !kvsplit && (argc < 2 || std::string(argv[1]) != "strategies");
+  const bool layouts = argc >= 2 && std::string(argv[1]) == "layouts";
+  const bool details = !kvsplit && !layouts && (argc < 2 || std::string(argv[1]) != "strategies");
   int sms;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int64_t kMax = 1ll << 30;  // per K and V
@@ -365,12 +368,13 @@ int main(int argc, char** argv) {
     int b, l, splits;
   };
   const std::vector<Shape> shapes =
-      kvsplit   ? std::vector<Shape>{{16, 2048, 1}, {16, 8192, 1}, {16, 32768, 1}, {64, 4096, 1}}
+      kvsplit || layouts
+          ? std::vector<Shape>{{16, 2048, 1}, {16, 8192, 1}, {16, 32768, 1}, {64, 4096, 1}}
       : details ? std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}}
                 : std::vector<Shape>{{16, 2048, 2}, {16, 4096, 2}, {64, 4096, 1}, {16, 16384, 1}};
-  const std::vector<int> modes = kvsplit   ? std::vector<int>{2}
-                                 : details ? std::vector<int>{2, 1}
-                                           : std::vector<int>{1, 2, 0};
+  const std::vector<int> modes = kvsplit || layouts ? std::vector<int>{2}
+                                 : details          ? std::vector<int>{2, 1}
+                                                    : std::vector<int>{1, 2, 0};
   for (int mode : modes) {
     g_mode = mode;
     printf("== %s ==\n", mode_names[mode]);
@@ -410,14 +414,20 @@ int main(int argc, char** argv) {
         char label[96];
         snprintf(label, sizeof label, "B=%d L=%d %s %4.0f MB", s.b, s.l, layout ? "HND" : "NHD",
                  bytes / 1e6);
-        auto run = [&](auto kern, const char* name, int smem, int grid = 0) {
+        auto run = [&](auto kern, const char* name, int smem, int grid = 0, int threads = 128) {
           set_smem(kern, smem);
           const int g = grid ? grid : L.items;
-          const float us = time_us([&] { kern<<<g, 128, smem>>>(L); });
+          const float us = time_us([&] { kern<<<g, threads, smem>>>(L); });
           printf("%s %-34s %7.1f us %.2f TB/s\n", label, name, us, bytes / us / 1e6);
         };
         const int tile64 = 64 * kRowBytes * 2;  // K + V of one 64-row stage
-        if (kvsplit) {
+        if (layouts) {
+          run(block_pipeline<256, 128, 2, 0, false>, "8 warps tile128 st2 1/SM", 4 * 128 * 256, 0,
+              256);
+          run(block_pipeline<128, 64, 2, 0, false>, "4 warps tile64 st2, 2/SM", 2 * tile64);
+          run(block_pipeline<128, 64, 2, 0, false>, "4 warps tile64 st2, 1/SM", 120000);
+          run(kv_split_pipeline<128, 128, 1>, "cudnn: kv split 128 st1, 86 KB", 88064);
+        } else if (kvsplit) {
           // Splits of 1 here; "x2" lines run 2 blocks per item's range (2 splits, the pairs' grid).
           Layout L2 = L;
           L2.splits = 2;
