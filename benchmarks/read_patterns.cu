@@ -11,16 +11,22 @@
 // "kvsplit" compares SDPA cuDNN's decode pipeline (K and V in separate steps, one buffer each, read
 // from its disassembly) with ours, at one block per (sequence, kv head) and at two. "layouts" reads
 // the same bytes NHD and HND with the current decode's forms (8 warps with 128-row tiles, 4 warps
-// with 64-row tiles, 2 stages each) and cuDNN's, one block per (sequence, kv head).
+// with 64-row tiles, 2 stages each) and cuDNN's, one block per (sequence, kv head). "streamk" asks
+// whether a stream-K decode would read faster: the items' tiles dealt to every SM in equal
+// contiguous runs that cross (sequence, kv head) items (the partial results a merge would then
+// combine; the merge is not timed), against a block per item, on NHD rows.
 // Each line is the median of 15 launches, L2 emptied before each by a 256 MB write followed by a
 // 256 MB read of another buffer ("clean"), or by the write alone ("dirty", whose write-back then
 // lands inside the timed launch).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 benchmarks/read_patterns.cu \
-//       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies | kvsplit | layouts]
+//       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies | kvsplit | layouts |
+//       streamk]
 //
 // Readings (H200): results/read_patterns_NVIDIA-H200_2026-12-02.md, kvsplit in
-// results/decode_cudnn_pipeline_NVIDIA-H200_2026-12-03.md; what they changed: NOTES.md.
+// results/decode_cudnn_pipeline_NVIDIA-H200_2026-12-03.md, layouts in
+// results/read_patterns_layouts_NVIDIA-H200_2026-12-03.md, streamk in
+// results/read_stream_k_NVIDIA-H200_2026-12-03.md; what they changed: NOTES.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -82,6 +88,40 @@ __device__ __forceinline__ void item_range(const Layout& L, int item, const char
   vb = L.v + seq * L.seq_stride + head * L.head_stride;
 }
 
+// A pipeline over n tiles, shared by kThreads threads (a block, or one warp with sync =
+// __syncwarp): issue(t) starts tile t's K and V copies into stage t % kStages; once a tile has
+// landed, each thread (index me) reads back its share of both stages (bytes that other threads
+// copied, as the mma loop would) into acc, then after_tile(t) runs.
+template <int kThreads, int kStages, int kStageBytes, typename Issue, typename Sync,
+          typename AfterTile>
+__device__ __forceinline__ void run_pipeline(int n, const unsigned char* ks,
+                                             const unsigned char* vs, int me, uint32_t& acc,
+                                             Issue issue, Sync sync, AfterTile after_tile) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n) issue(s);
+    commit();
+  }
+  for (int t = 0; t < n; ++t) {
+    if (t + kStages - 1 < n) issue(t + kStages - 1);
+    commit();
+    wait_group<kStages - 1>();
+    sync();
+    const int st = t % kStages;
+    constexpr int kReads = 2 * kStageBytes / kThreads / 16;
+#pragma unroll
+    for (int i = 0; i < kReads; ++i) {
+      const int idx = ((me * 7 + i * kThreads) % (2 * kStageBytes / 16));
+      const uint4 x = *reinterpret_cast<const uint4*>(
+          (idx < kStageBytes / 16 ? ks : vs - kStageBytes) + st * kStageBytes + idx * 16);
+      acc ^= x.x + x.y * 3 + x.z * 5 + x.w * 7;
+    }
+    sync();
+    after_tile(t);
+  }
+  wait_group<0>();
+}
+
 // Block pipeline, as the attention kernel: all threads copy each tile, barrier per tile, then a
 // "consume" that reads the tile from shared memory (the bytes the mma loop would read).
 template <int kThreads, int kTile, int kStages, int kHint, bool kPersistent, int kRowPitch = 256,
@@ -127,29 +167,8 @@ __global__ void __launch_bounds__(kThreads) block_pipeline(const Layout L) {
         }
       }
     };
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < tiles) issue(s);
-      commit();
-    }
-    for (int t = 0; t < tiles; ++t) {
-      if (t + kStages - 1 < tiles) issue(t + kStages - 1);
-      commit();
-      wait_group<kStages - 1>();
-      __syncthreads();
-      const int st = t % kStages;
-      // consume: every thread reads 2 * kStageBytes / kThreads bytes written by others
-      constexpr int kReads = 2 * kStageBytes / kThreads / 16;
-#pragma unroll
-      for (int i = 0; i < kReads; ++i) {
-        const int idx = ((tid * 7 + i * kThreads) % (2 * kStageBytes / 16));
-        const uint4 x = *reinterpret_cast<const uint4*>(
-            (idx < kStageBytes / 16 ? ks : vs - kStageBytes) + st * kStageBytes + idx * 16);
-        acc ^= x.x + x.y * 3 + x.z * 5 + x.w * 7;
-      }
-      __syncthreads();
-    }
-    wait_group<0>();
+    run_pipeline<kThreads, kStages, kStageBytes>(
+        tiles, ks, vs, tid, acc, issue, [] { __syncthreads(); }, [](int) {});
   }
   if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
 }
@@ -217,6 +236,60 @@ __global__ void __launch_bounds__(kThreads) kv_split_pipeline(const Layout L) {
   if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
 }
 
+// Stream-K reads: kStreamK false, block b reads item b whole (one split); true, the items' tiles
+// in order are cut into gridDim.x equal runs and the pipeline runs on across item boundaries,
+// writing 2 KB (a partial result: 4 heads x 128 fp32) wherever a run ends an item.
+template <int kThreads, int kTile, int kStages, bool kStreamK>
+__global__ void __launch_bounds__(kThreads) stream_k_pipeline(const Layout L, float* partials) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int kStageBytes = kTile * kRowBytes;
+  unsigned char* ks = smem;
+  unsigned char* vs = smem + kStages * kStageBytes;
+  const int tid = threadIdx.x;
+  const int row0 = tid / kChunks, ch = tid % kChunks;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  constexpr int kCopies = kTile / kRowsPerPass;
+  const int tiles_per_item = L.length / kTile;
+  const int64_t total = (int64_t)L.items * tiles_per_item;
+  int64_t first, last;  // [first, last) in the flattened (item, tile) order
+  if constexpr (kStreamK) {
+    first = total * blockIdx.x / gridDim.x;
+    last = total * (blockIdx.x + 1) / gridDim.x;
+  } else {
+    first = (int64_t)blockIdx.x * tiles_per_item;
+    last = first + tiles_per_item;
+  }
+  const int n = static_cast<int>(last - first);
+  auto issue = [&](int t) {
+    const int64_t g = first + t;
+    const int item = static_cast<int>(g / tiles_per_item);
+    const int tile = static_cast<int>(g - (int64_t)item * tiles_per_item);
+    const int head = item % L.heads, seq = item / L.heads;
+    const int64_t base = seq * L.seq_stride + head * L.head_stride;
+    const int st = t % kStages;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int r = row0 + i * kRowsPerPass;
+      const int64_t off = base + (int64_t)(tile * kTile + r) * L.token_stride + ch * 16;
+      cp16<0>(saddr(ks + st * kStageBytes + r * kRowBytes + ch * 16), L.k + off);
+      cp16<0>(saddr(vs + st * kStageBytes + r * kRowBytes + ch * 16), L.v + off);
+    }
+  };
+  uint32_t acc = 0;
+  const auto sync = [] { __syncthreads(); };
+  run_pipeline<kThreads, kStages, kStageBytes>(n, ks, vs, tid, acc, issue, sync, [&](int t) {
+    if constexpr (kStreamK) {
+      const int64_t g = first + t;
+      const bool item_ends = (g + 1) % tiles_per_item == 0;
+      if (item_ends || t == n - 1) {
+        const int64_t slot = (int64_t)blockIdx.x * 4 + (item_ends ? 0 : 1);
+        for (int i = tid; i < 512; i += kThreads) partials[slot * 512 + i] = (float)(acc & 7);
+      }
+    }
+  });
+  if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
+}
+
 // Warp-independent pipelines: each warp streams its own quarter of the item's range with its own
 // stages; __syncwarp only.
 template <int kWarps, int kWarpTile, int kStages>
@@ -245,28 +318,8 @@ __global__ void __launch_bounds__(kWarps * 32) warp_pipeline(const Layout L) {
       cp16<0>(saddr(vs + st * kStageBytes + r * kRowBytes + ch * 16), vb + off);
     }
   };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < tiles) issue(s);
-    commit();
-  }
-  for (int t = 0; t < tiles; ++t) {
-    if (t + kStages - 1 < tiles) issue(t + kStages - 1);
-    commit();
-    wait_group<kStages - 1>();
-    __syncwarp();
-    const int st = t % kStages;
-    constexpr int kReads = 2 * kStageBytes / 32 / 16;
-#pragma unroll
-    for (int i = 0; i < kReads; ++i) {
-      const int idx = ((lane * 7 + i * 32) % (2 * kStageBytes / 16));
-      const uint4 x = *reinterpret_cast<const uint4*>(
-          (idx < kStageBytes / 16 ? ks : vs - kStageBytes) + st * kStageBytes + idx * 16);
-      acc ^= x.x + x.y * 3 + x.z * 5 + x.w * 7;
-    }
-    __syncwarp();
-  }
-  wait_group<0>();
+  run_pipeline<32, kStages, kStageBytes>(
+      tiles, ks, vs, lane, acc, issue, [] { __syncwarp(); }, [](int) {});
   if (acc == 0x12345678u) L.out[blockIdx.x] = 1.f;
 }
 
@@ -336,6 +389,51 @@ static void set_smem(K kernel, int bytes) {
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// "streamk": two rounds over decode shapes, NHD rows, clean L2; the grid of each line in brackets.
+static void stream_k_runs(const char* k, const char* v, int sms) {
+  g_mode = 2;
+  float* partials;
+  CK(cudaMalloc(&partials, 4 * 1024 * 2048));
+  printf("SMs %d; clean L2 (write + read flush), median of 15\n", sms);
+  struct Shape {
+    int b, l;
+  };
+  const Shape shapes[] = {{16, 2048}, {16, 4096}, {16, 8192}, {16, 32768},
+                          {12, 4096}, {64, 4096}, {128, 2048}};
+  for (int round = 0; round < 2; ++round) {
+    for (const Shape& s : shapes) {
+      Layout L{};
+      L.k = k;
+      L.v = v;
+      L.heads = 8;
+      L.length = s.l;
+      L.splits = 1;
+      L.items = s.b * 8;
+      L.token_stride = 8 * kRowBytes;  // NHD: [B, L, H, D]
+      L.head_stride = kRowBytes;
+      L.seq_stride = (int64_t)s.l * 8 * kRowBytes;
+      L.out = g_out;
+      const double bytes = 2.0 * s.b * s.l * 8 * kRowBytes;
+      char label[64];
+      snprintf(label, sizeof label, "r%d B=%3d L=%5d %5.0f MB", round, s.b, s.l, bytes / 1e6);
+      auto run = [&](auto kern, int threads, int smem, int grid, const char* name) {
+        set_smem(kern, smem);
+        const float us = time_us([&] { kern<<<grid, threads, smem>>>(L, partials); });
+        printf("%s %-36s grid %4d %8.1f us %.3f TB/s\n", label, name, grid, us, bytes / us / 1e6);
+      };
+      constexpr int kW8 = 2 * 2 * 128 * kRowBytes;  // 8 warps: 2 stages of 128-row K + V
+      constexpr int kW4 = 2 * 2 * 64 * kRowBytes;   // 4 warps: 2 stages of 64-row K + V
+      run(stream_k_pipeline<256, 128, 2, false>, 256, kW8, L.items, "8 warps, a block per item");
+      run(stream_k_pipeline<256, 128, 2, true>, 256, kW8, sms, "8 warps, stream-K over every SM");
+      run(stream_k_pipeline<256, 128, 2, true>, 256, kW8, std::min(L.items, 128),
+          "8 warps, stream-K over 128 blocks");
+      run(stream_k_pipeline<128, 64, 2, false>, 128, kW4, L.items, "4 warps, a block per item");
+      run(stream_k_pipeline<128, 64, 2, true>, 128, kW4, 2 * sms, "4 warps, stream-K, 2 per SM");
+    }
+  }
+  CK(cudaFree(partials));
+}
+
 int main(int argc, char** argv) {
   // "details" (default): run 2 of the readings, one detail of the attention kernel's copy per
   // line, NHD layout. "strategies": run 1, loading strategies, NHD and HND, three flushes.
@@ -361,6 +459,10 @@ int main(int argc, char** argv) {
     std::vector<int> h(1 << 18, 1 << 30);
     CK(cudaMemcpy(lens, h.data(), 1 << 20, cudaMemcpyHostToDevice));
     CK(cudaMemset(table, 0, 1 << 20));
+  }
+  if (argc >= 2 && std::string(argv[1]) == "streamk") {
+    stream_k_runs(k, v, sms);
+    return 0;
   }
   const char* mode_names[] = {"no flush", "write flush (dirty L2)", "write+read flush (clean L2)"};
 
