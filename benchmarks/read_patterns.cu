@@ -11,7 +11,9 @@
 // "kvsplit" compares SDPA cuDNN's decode pipeline (K and V in separate steps, one buffer each, read
 // from its disassembly) with ours, at one block per (sequence, kv head) and at two. "layouts" reads
 // the same bytes NHD and HND with the current decode's forms (8 warps with 128-row tiles, 4 warps
-// with 64-row tiles, 2 stages each) and cuDNN's, one block per (sequence, kv head). "streamk" asks
+// with 64-row tiles, 2 stages each) and cuDNN's, one block per (sequence, kv head), and on NHD
+// pages of 16 slots scattered through the pool ("P16", a shuffled paged pool without lookups).
+// "streamk" asks
 // whether a stream-K decode would read faster: the items' tiles dealt to every SM in equal
 // contiguous runs that cross (sequence, kv head) items (the partial results a merge would then
 // combine; the merge is not timed), against a block per item, on NHD rows.
@@ -25,7 +27,8 @@
 //
 // Readings (H200): results/read_patterns_NVIDIA-H200_2026-12-02.md, kvsplit in
 // results/decode_cudnn_pipeline_NVIDIA-H200_2026-12-03.md, layouts in
-// results/read_patterns_layouts_NVIDIA-H200_2026-12-03.md, streamk in
+// results/read_patterns_layouts_NVIDIA-H200_2026-12-03.md (P16 in
+// results/read_patterns_scattered_pages_NVIDIA-H200_2026-12-03.md), streamk in
 // results/read_stream_k_NVIDIA-H200_2026-12-03.md; what they changed: NOTES.md.
 #include <cuda_runtime.h>
 
@@ -56,7 +59,19 @@ struct Layout {
   float* out;
   const int* lens;   // [items], all = a large length
   const int* table;  // zeros
+  // kScatter kernels: NHD pages of 16 slots (32 KB, every head), placed in 2^log2_pages page
+  // frames by a fixed bijection (an odd multiplier), as a shuffled paged pool, with no lookup.
+  int log2_pages;
 };
+
+// The byte offset of row pos of item (one split) in a scattered NHD pool of 16-slot pages.
+__device__ __forceinline__ int64_t scattered_row(const Layout& L, int item, int pos) {
+  const int head = item % L.heads, seq = item / L.heads;
+  const uint32_t logical = (uint32_t)seq * (uint32_t)(L.length >> 4) + (uint32_t)(pos >> 4);
+  const uint32_t frame = (logical * 2654435761u) & ((1u << L.log2_pages) - 1);
+  return (int64_t)frame * (16 * L.heads * kRowBytes) + (pos & 15) * (L.heads * kRowBytes) +
+         head * kRowBytes;
+}
 
 __device__ __forceinline__ uint32_t saddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -125,7 +140,7 @@ __device__ __forceinline__ void run_pipeline(int n, const unsigned char* ks,
 // Block pipeline, as the attention kernel: all threads copy each tile, barrier per tile, then a
 // "consume" that reads the tile from shared memory (the bytes the mma loop would read).
 template <int kThreads, int kTile, int kStages, int kHint, bool kPersistent, int kRowPitch = 256,
-          bool kZfill = false, bool kChain = false>
+          bool kZfill = false, bool kChain = false, bool kScatter = false>
 __global__ void __launch_bounds__(kThreads) block_pipeline(const Layout L) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int kStageBytes = kTile * kRowPitch;
@@ -161,6 +176,10 @@ __global__ void __launch_bounds__(kThreads) block_pipeline(const Layout L) {
           asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
                            saddr(vs + st * kStageBytes + r * kRowPitch + ch * 16)),
                        "l"(vb + off), "r"(n));
+        } else if constexpr (kScatter) {
+          const int64_t row = scattered_row(L, item, begin + t * kTile + r) + ch * 16;
+          cp16<kHint>(saddr(ks + st * kStageBytes + r * kRowPitch + ch * 16), L.k + row);
+          cp16<kHint>(saddr(vs + st * kStageBytes + r * kRowPitch + ch * 16), L.v + row);
         } else {
           cp16<kHint>(saddr(ks + st * kStageBytes + r * kRowPitch + ch * 16), kb + off);
           cp16<kHint>(saddr(vs + st * kStageBytes + r * kRowPitch + ch * 16), vb + off);
@@ -177,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) block_pipeline(const Layout L) {
 // tile in separate commit groups, each in its own buffer of kStages tiles; wait for K, consume it,
 // refill it with the next K; wait for V, consume it, refill it. kStages = 1 is cuDNN's (at most
 // the next K and this V in flight).
-template <int kThreads, int kTile, int kStages>
+template <int kThreads, int kTile, int kStages, bool kScatter = false>
 __global__ void __launch_bounds__(kThreads) kv_split_pipeline(const Layout L) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int kStageBytes = kTile * kRowBytes;
@@ -197,7 +216,9 @@ __global__ void __launch_bounds__(kThreads) kv_split_pipeline(const Layout L) {
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int r = row0 + i * kRowsPerPass;
-      const int64_t off = (int64_t)(begin + t * kTile + r) * L.token_stride + ch * 16;
+      const int64_t off = kScatter ? scattered_row(L, blockIdx.x, begin + t * kTile + r) + ch * 16 -
+                                         (base == kb ? kb - L.k : vb - L.v)
+                                   : (int64_t)(begin + t * kTile + r) * L.token_stride + ch * 16;
       cp16<0>(saddr(dst + st * kStageBytes + r * kRowBytes + ch * 16), base + off);
     }
   };
@@ -492,7 +513,7 @@ int main(int argc, char** argv) {
       printf("copy 512 MB (r+w): %.1f us %.2f TB/s\n", us, bytes / us / 1e6);
     }
     for (const Shape& s : shapes) {
-      for (int layout = 0; layout < (details ? 1 : 2); ++layout) {
+      for (int layout = 0; layout < (details ? 1 : layouts ? 3 : 2); ++layout) {
         Layout L;
         L.k = k;
         L.v = v;
@@ -503,7 +524,9 @@ int main(int argc, char** argv) {
         L.out = g_out;
         L.lens = lens;
         L.table = table;
-        if (layout == 0) {  // NHD: [B, L, H, D]
+        L.log2_pages = 0;
+        while ((1ll << L.log2_pages) < (int64_t)s.b * s.l / 16) ++L.log2_pages;
+        if (layout == 0 || layout == 2) {  // NHD: [B, L, H, D]; 2: its 16-slot pages scattered
           L.token_stride = 8 * kRowBytes;
           L.head_stride = kRowBytes;
           L.seq_stride = (int64_t)s.l * 8 * kRowBytes;
@@ -514,7 +537,8 @@ int main(int argc, char** argv) {
         }
         const double bytes = 2.0 * s.b * s.l * 8 * kRowBytes;
         char label[96];
-        snprintf(label, sizeof label, "B=%d L=%d %s %4.0f MB", s.b, s.l, layout ? "HND" : "NHD",
+        const char* layout_names[] = {"NHD", "HND", "P16"};
+        snprintf(label, sizeof label, "B=%d L=%d %s %4.0f MB", s.b, s.l, layout_names[layout],
                  bytes / 1e6);
         auto run = [&](auto kern, const char* name, int smem, int grid = 0, int threads = 128) {
           set_smem(kern, smem);
@@ -523,12 +547,33 @@ int main(int argc, char** argv) {
           printf("%s %-34s %7.1f us %.2f TB/s\n", label, name, us, bytes / us / 1e6);
         };
         const int tile64 = 64 * kRowBytes * 2;  // K + V of one 64-row stage
-        if (layouts) {
+        if (layouts && layout == 2) {
+          run(block_pipeline<256, 128, 2, 0, false, 256, false, false, true>,
+              "8 warps tile128 st2 1/SM", 4 * 128 * 256, 0, 256);
+          run(block_pipeline<128, 64, 2, 0, false, 256, false, false, true>,
+              "4 warps tile64 st2, 2/SM", 2 * tile64);
+          run(block_pipeline<128, 64, 2, 0, false, 256, false, false, true>,
+              "4 warps tile64 st2, 1/SM", 120000);
+          run(kv_split_pipeline<128, 128, 1, true>, "cudnn: kv split 128 st1, 86 KB", 88064);
+          // More bytes in flight per SM on scattered pages.
+          run(block_pipeline<256, 128, 3, 0, false, 256, false, false, true>,
+              "8 warps tile128 st3 1/SM (192 KB)", 6 * 128 * 256, 0, 256);
+          run(block_pipeline<256, 64, 4, 0, false, 256, false, false, true>,
+              "8 warps tile64 st4 1/SM (128 KB)", 8 * 64 * 256, 0, 256);
+          run(block_pipeline<128, 64, 4, 0, false, 256, false, false, true>,
+              "4 warps tile64 st4 1/SM (128 KB)", 8 * 64 * 256);
+        } else if (layouts) {
           run(block_pipeline<256, 128, 2, 0, false>, "8 warps tile128 st2 1/SM", 4 * 128 * 256, 0,
               256);
           run(block_pipeline<128, 64, 2, 0, false>, "4 warps tile64 st2, 2/SM", 2 * tile64);
           run(block_pipeline<128, 64, 2, 0, false>, "4 warps tile64 st2, 1/SM", 120000);
           run(kv_split_pipeline<128, 128, 1>, "cudnn: kv split 128 st1, 86 KB", 88064);
+          run(block_pipeline<256, 128, 3, 0, false>, "8 warps tile128 st3 1/SM (192 KB)",
+              6 * 128 * 256, 0, 256);
+          run(block_pipeline<256, 64, 4, 0, false>, "8 warps tile64 st4 1/SM (128 KB)",
+              8 * 64 * 256, 0, 256);
+          run(block_pipeline<128, 64, 4, 0, false>, "4 warps tile64 st4 1/SM (128 KB)",
+              8 * 64 * 256);
         } else if (kvsplit) {
           // Splits of 1 here; "x2" lines run 2 blocks per item's range (2 splits, the pairs' grid).
           Layout L2 = L;
