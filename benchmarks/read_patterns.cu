@@ -211,15 +211,16 @@ __global__ void __launch_bounds__(kThreads) kv_split_pipeline(const Layout L) {
   int begin, end;
   item_range(L, blockIdx.x, kb, vb, begin, end);
   const int tiles = (end - begin) / kTile;
-  auto issue = [&](const char* base, unsigned char* dst, int t) {
+  // base: this item's rows (contiguous layouts); pool: the K or V pool (kScatter).
+  auto issue = [&](const char* base, const char* pool, unsigned char* dst, int t) {
     const int st = t % kStages;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int r = row0 + i * kRowsPerPass;
-      const int64_t off = kScatter ? scattered_row(L, blockIdx.x, begin + t * kTile + r) + ch * 16 -
-                                         (base == kb ? kb - L.k : vb - L.v)
-                                   : (int64_t)(begin + t * kTile + r) * L.token_stride + ch * 16;
-      cp16<0>(saddr(dst + st * kStageBytes + r * kRowBytes + ch * 16), base + off);
+      const int pos = begin + t * kTile + r;
+      const char* src = kScatter ? pool + scattered_row(L, blockIdx.x, pos) + ch * 16
+                                 : base + (int64_t)pos * L.token_stride + ch * 16;
+      cp16<0>(saddr(dst + st * kStageBytes + r * kRowBytes + ch * 16), src);
     }
   };
   auto consume = [&](const unsigned char* buf) {
@@ -233,9 +234,9 @@ __global__ void __launch_bounds__(kThreads) kv_split_pipeline(const Layout L) {
   };
   // Prologue: K and V of the first kStages tiles, K before V in each.
   for (int s = 0; s < kStages; ++s) {
-    if (s < tiles) issue(kb, ks, s);
+    if (s < tiles) issue(kb, L.k, ks, s);
     commit();
-    if (s < tiles) issue(vb, vs, s);
+    if (s < tiles) issue(vb, L.v, vs, s);
     commit();
   }
   for (int t = 0; t < tiles; ++t) {
@@ -244,13 +245,13 @@ __global__ void __launch_bounds__(kThreads) kv_split_pipeline(const Layout L) {
     __syncthreads();
     consume(ks + st * kStageBytes);
     __syncthreads();
-    if (t + kStages < tiles) issue(kb, ks, t + kStages);
+    if (t + kStages < tiles) issue(kb, L.k, ks, t + kStages);
     commit();
     wait_group<2 * kStages - 1>();  // V of tile t
     __syncthreads();
     consume(vs + st * kStageBytes);
     __syncthreads();
-    if (t + kStages < tiles) issue(vb, vs, t + kStages);
+    if (t + kStages < tiles) issue(vb, L.v, vs, t + kStages);
     commit();
   }
   wait_group<0>();
