@@ -27,7 +27,10 @@ namespace {
 // wherever they can, also on grids they do not fill, ASTR_DECODE_EIGHT_WARPS=0 keeps the block
 // pairs where eight-warp blocks would replace them and =1 runs eight-warp blocks where the split
 // rule's block pairs would run (at any length) or where 1 split is forced (other forced counts are
-// kept), ASTR_PREFILL_WGMMA=0
+// kept), ASTR_DECODE_PERSISTENT=0 keeps one split on single blocks where the persistent decode
+// would run and =1 runs it wherever one split runs (also in place of eight-warp blocks),
+// ASTR_DECODE_PERSISTENT_BLOCKS=n gives it a grid of n blocks instead of one per SM (tests: several
+// items per block on small batches), ASTR_PREFILL_WGMMA=0
 // keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
 // head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
@@ -50,6 +53,11 @@ kernels::PrefillKernel prefill_kernel_override() {
   if (value == nullptr) return kernels::PrefillKernel::kAuto;
   return std::string(value) == "0" ? kernels::PrefillKernel::kMmaSync
                                    : kernels::PrefillKernel::kWgmma;
+}
+int decode_persistent_grid_override() {
+  if (!kernel_tuning()) return 0;
+  const char* value = std::getenv("ASTR_DECODE_PERSISTENT_BLOCKS");
+  return value == nullptr ? 0 : std::max(0, std::atoi(value));
 }
 int decode_split_count_override() {
   if (!kernel_tuning()) return 0;
@@ -251,6 +259,22 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     params.merge_in_cluster = !params.merge_in_block_pairs &&
                               kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
                               !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
+    // The persistent decode: one split, where its items are more than one wave of its blocks
+    // (shapes only), on a grid of one block per SM.
+    const int64_t items =
+        kernels::paged_decode_items(base.num_seqs, base.num_q_heads, base.num_kv_heads);
+    const bool persistent_on = tuning_switch_is_on("ASTR_DECODE_PERSISTENT");
+    const int persistent_grid = decode_persistent_grid_override() > 0
+                                    ? decode_persistent_grid_override()
+                                    : static_cast<int>(std::min<int64_t>(items, num_sms));
+    if (params.num_splits == 1 && !params.merge_in_cluster &&
+        (persistent_on ||
+         (!params.eight_warp_blocks && kernels::decode_persistent_blocks_pay(items, num_sms))) &&
+        !tuning_switch_is_off("ASTR_DECODE_PERSISTENT") &&
+        kernels::paged_decode_can_run_persistent(1, base.head_dim, items, persistent_grid)) {
+      params.eight_warp_blocks = false;
+      params.persistent_blocks = persistent_grid;
+    }
     // Size from shapes only (split count, T, Hq, D), never from seq_lens' values.
     const size_t workspace_floats = kernels::paged_decode_workspace_floats(
         params.num_splits, params.merge_in_cluster || params.merge_in_block_pairs, base.num_tokens,
@@ -260,6 +284,13 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
       workspace =
           at::empty({static_cast<int64_t>(workspace_floats)}, q.options().dtype(at::kFloat));
       params.workspace = workspace.data_ptr<float>();
+    }
+    // The persistent decode's claim counter: zero at launch (a fill in the stream, also inside a
+    // captured graph).
+    at::Tensor claim_counter;
+    if (params.persistent_blocks > 0) {
+      claim_counter = at::zeros({1}, q.options().dtype(at::kInt));
+      params.persistent_claim_counter = claim_counter.data_ptr<int32_t>();
     }
     status = kernels::launch_paged_decode(params, stream);
   } else {

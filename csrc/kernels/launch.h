@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "paged_attention_params.h"
@@ -17,6 +18,13 @@ struct LaunchStatus {
   std::string error;
   bool ok() const { return error.empty(); }
 };
+
+// The error of the launch just made, if any, prefixed with what was launched.
+inline LaunchStatus status_after_launch(const char* what) {
+  const cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) return {};
+  return {std::string(what) + ": " + cudaGetErrorString(error)};
+}
 
 // Head dims that have compiled attention kernels (append_kv takes any D with 16-byte rows).
 bool is_supported_head_dim(int head_dim);
@@ -39,6 +47,11 @@ bool paged_decode_can_merge_in_block_pairs(int num_splits, int head_dim);
 // Whether the decode can run one split as eight-warp blocks (PagedAttentionTraits' kWarps) on the
 // current device: 1 split, a head dim with that kernel, and room for the block.
 bool paged_decode_can_run_eight_warp_blocks(int num_splits, int head_dim);
+// Decode items: (sequence, kv head, row tile of 16 query rows) triples.
+int64_t paged_decode_items(int num_seqs, int num_q_heads, int num_kv_heads);
+// Whether the persistent decode (one split, D = 128) can run on a grid of `blocks` on the current
+// device: room for its block.
+bool paged_decode_can_run_persistent(int num_splits, int head_dim, int64_t num_items, int blocks);
 // Whether block pairs would cover more than 2/3 of the SMs (decode_block_pairs_fill_gpu in
 // paged_decode_splits.h says why); where they would not, 2 splits run as 2 blocks.
 bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,

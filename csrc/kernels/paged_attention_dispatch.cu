@@ -194,6 +194,19 @@ bool paged_decode_can_run_eight_warp_blocks(int num_splits, int head_dim) {
              EightWarps::kBlockSmemBytes;
 }
 
+int64_t paged_decode_items(int num_seqs, int num_q_heads, int num_kv_heads) {
+  if (num_seqs <= 0 || num_kv_heads <= 0) return 0;
+  const int group = std::max(1, num_q_heads / num_kv_heads);
+  return (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
+}
+
+bool paged_decode_can_run_persistent(int num_splits, int head_dim, int64_t num_items, int blocks) {
+  using Layout = PersistentDecodeLayout<PagedAttentionTraits<128, true, 1, 8>>;
+  return num_splits == 1 && paged_decode_persistent_compiled(head_dim) && blocks > 0 &&
+         blocks <= num_items && num_items <= INT32_MAX / 2 &&
+         current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= Layout::kSmemBytes;
+}
+
 bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,
                                        int num_sms) {
   if (num_seqs <= 0 || num_kv_heads <= 0) return false;
@@ -234,6 +247,22 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
             std::to_string(PagedAttentionTraits<128, true, 1, 8>::kBlockSmemBytes / 1024) +
             " KB of shared memory per block (got " + std::to_string(params.num_splits) +
             " splits, head_dim " + std::to_string(params.head_dim) + ")"};
+  if (params.persistent_blocks < 0 ||
+      (params.persistent_blocks > 0 &&
+       (params.eight_warp_blocks || params.merge_in_cluster || params.merge_in_block_pairs ||
+        params.persistent_claim_counter == nullptr ||
+        !paged_decode_can_run_persistent(
+            params.num_splits, params.head_dim,
+            paged_decode_items(params.num_seqs, params.num_q_heads, params.num_kv_heads),
+            params.persistent_blocks))))
+    return {
+        "decode: persistent_blocks needs 1 split, head_dim 128, a grid of 1 to the item count, a "
+        "zeroed claim counter, " +
+        std::to_string(PersistentDecodeLayout<PagedAttentionTraits<128, true, 1, 8>>::kSmemBytes /
+                       1024) +
+        " KB of shared memory per block, and no other decode form (got " +
+        std::to_string(params.num_splits) + " splits, head_dim " + std::to_string(params.head_dim) +
+        ", " + std::to_string(params.persistent_blocks) + " blocks)"};
   if (params.num_splits > 1 && !params.merge_in_cluster && !params.merge_in_block_pairs &&
       params.workspace == nullptr)
     return {"decode with num_splits > 1 needs a workspace"};
@@ -245,11 +274,20 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
   args.merge_in_cluster = params.merge_in_cluster;
   args.merge_in_block_pairs = params.merge_in_block_pairs;
   args.eight_warp_blocks = params.eight_warp_blocks;
+  args.persistent_blocks = params.persistent_blocks;
+  args.claim_counter = params.persistent_claim_counter;
+  args.scale_log2 = params.scale * 1.4426950408889634f;
+  if (params.persistent_blocks > 0) {
+    if (params.dtype == ScalarType::kBFloat16)
+      return run_paged_decode_persistent<__nv_bfloat16>(args, stream);
+    if (params.dtype == ScalarType::kFloat16)
+      return run_paged_decode_persistent<__half>(args, stream);
+    return {"unsupported dtype for paged attention (supported: bfloat16, float16)"};
+  }
   const size_t rows = (size_t)params.num_splits * params.num_tokens * params.num_q_heads;
   args.partial_out = params.workspace;
   args.partial_lse =
       params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
-  args.scale_log2 = params.scale * 1.4426950408889634f;
   const int group = params.num_q_heads / params.num_kv_heads;
   return run_for_head_dim<true>(args, group, stream);
 }
@@ -268,6 +306,7 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, cudaStream_t
   args.merge_in_cluster = false;
   args.merge_in_block_pairs = false;
   args.eight_warp_blocks = false;
+  args.persistent_blocks = 0;
   args.scale_log2 = params.scale * 1.4426950408889634f;
   const int group = params.num_q_heads / params.num_kv_heads;
   const int64_t rows = (int64_t)params.max_query_len * group;

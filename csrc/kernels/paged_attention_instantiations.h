@@ -19,6 +19,8 @@ struct PagedKernelArgs {
   bool merge_in_cluster;           // decode: the splits form a cluster and merge in it
   bool merge_in_block_pairs;       // decode: 2 splits run as one block of two groups
   bool eight_warp_blocks;          // decode, 1 split: one block of 8 warps per row tile
+  int persistent_blocks;           // decode, 1 split: > 0, the persistent kernel's grid
+  int* claim_counter;              // persistent decode: items claimed beyond the grid's first
   float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
   float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
   float scale_log2;                // scale * log2(e): softmax runs on exp2
@@ -36,6 +38,11 @@ inline bool current_device_is_sm90_or_newer() { return current_device_arch() >= 
 // kernel. Returns the launch error, if any.
 template <int D, typename T, bool kDecode>
 LaunchStatus run_paged_attention(const PagedKernelArgs& args, int grid_rows, cudaStream_t stream);
+
+// The persistent eight-warp decode (paged_decode_persistent_kernel.cuh), D = 128, 1 split, on a
+// grid of args.persistent_blocks.
+template <typename T>
+LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream);
 
 // The prefill kernel on wgmma (paged_prefill_wgmma_kernel.cuh), D = 64 or 128. Runs only on
 // sm_90 (exactly: sm_90a code) in a library built for sm_90a; see paged_prefill_wgmma_runs_here.

@@ -15,6 +15,7 @@
 #include "paged_attention_instantiations.h"
 #include "paged_attention_params.h"
 #include "paged_attention_rows.cuh"
+#include "paged_attention_tile_math.cuh"
 #include "paged_attention_traits.h"
 #include "paged_decode_merge.cuh"
 #include "paged_kv_tile_loader.cuh"
@@ -116,18 +117,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   const int lane_row = lane / 4;                          // fragment row (and +8)
   const int lane_col = (lane % 4) * 2;                    // fragment column pair
 
-  float o_acc[kMRep][D / 8][4];
-  float row_max[kMRep][2];  // running max of the scores (unscaled when the scale is folded)
-  float row_sum[kMRep][2];  // running sum of exp2, this lane's columns only
-#pragma unroll
-  for (int mi = 0; mi < kMRep; ++mi) {
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o_acc[mi][dt][e] = 0.f;
-    row_max[mi][0] = row_max[mi][1] = kNegInf;
-    row_sum[mi][0] = row_sum[mi][1] = 0.f;
-  }
+  WarpSoftmaxState<Traits> state;  // O, running max and sum of the warp's rows
+  state.reset();
   uint32_t q_frag[Traits::kQInRegisters ? kMRep : 1][Traits::kQInRegisters ? D / 16 : 1][4];
 
   auto load_q_fragment = [&](int mi, int ks, uint32_t (&a)[4]) {
@@ -201,144 +192,32 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     const T* v_tile = v_smem + stage * kTileN * Traits::kRowStride;
     const int pos0 = kv_begin + tile * tile_step;
 
-    // S = Q K^T for this warp's rows x kWarpTileN kv positions.
-    float s_acc[kMRep][kWarpTileN / 8][4];
+    attend_kv_tile<Traits, T>(
+        k_tile, v_tile, warp_col0, lane,
+        [&](int mi, int ks, uint32_t (&a)[4]) {
+          if constexpr (Traits::kQInRegisters) {
 #pragma unroll
-    for (int mi = 0; mi < kMRep; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < kWarpTileN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] = 0.f;
-
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t a[kMRep][4];
-#pragma unroll
-      for (int mi = 0; mi < kMRep; ++mi) {
-        if constexpr (Traits::kQInRegisters) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) a[mi][e] = q_frag[mi][ks][e];
-        } else {
-          load_q_fragment(mi, ks, a[mi]);
-        }
-      }
-#pragma unroll
-      for (int nj = 0; nj < kWarpTileN / 16; ++nj) {
-        uint32_t b[4];
-        const int r = warp_col0 + nj * 16 + (lane % 8) + (lane / 16) * 8;
-        const int ch = ks * 2 + (lane / 8) % 2;
-        ldmatrix_x4(shared_address(k_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
-#pragma unroll
-        for (int mi = 0; mi < kMRep; ++mi) {
-          mma_m16n8k16<T>(s_acc[mi][2 * nj], a[mi], b[0], b[1]);
-          mma_m16n8k16<T>(s_acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
-        }
-      }
-    }
-
-    // A positive scale is folded into the exponent below (max(c s) = c max(s) for c > 0); any
-    // other scale is applied first. Then mask: -inf stays -inf either way.
-    if (!fold_scale) {
-#pragma unroll
-      for (int mi = 0; mi < kMRep; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < kWarpTileN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] *= scale_log2;
-    }
-
-    // Masks: only tiles that cross kv_end, the causal edge of this block, or a user mask.
-    const bool needs_mask = mask != nullptr || pos0 + kTileN > kv_end ||
-                            (p.is_causal && pos0 + kTileN - 1 > first_pos + row0 / group);
-    if (needs_mask) {
-#pragma unroll
-      for (int mi = 0; mi < kMRep; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const RowVisibility seen =
-              row_visibility(p, row0 + warp_row0 + mi * 16 + lane_row + half * 8, num_rows, group,
-                             q_start, first_pos, kv_end);
-#pragma unroll
-          for (int nt = 0; nt < kWarpTileN / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              if (!visible(seen, pos0 + warp_col0 + nt * 8 + lane_col + e))
-                s_acc[mi][nt][half * 2 + e] = kNegInf;
-            }
+            for (int e = 0; e < 4; ++e) a[e] = q_frag[mi][ks][e];
+          } else {
+            load_q_fragment(mi, ks, a);
           }
-        }
-      }
-    }
-
-    // Online softmax (online_softmax.cuh). O is rescaled only when some lane's alpha differs
-    // from 1; skipping a multiply by exactly 1 changes nothing.
-    float alpha[kMRep][2];
-#pragma unroll
-    for (int mi = 0; mi < kMRep; ++mi) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        alpha[mi][half] = online_softmax_row<kWarpTileN / 8>(
-            [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; }, row_max[mi][half],
-            row_sum[mi][half], exp_scale);
-      }
-    }
-    bool rescale = false;
-#pragma unroll
-    for (int mi = 0; mi < kMRep; ++mi) rescale |= alpha[mi][0] != 1.f || alpha[mi][1] != 1.f;
-    if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-      for (int mi = 0; mi < kMRep; ++mi)
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o_acc[mi][dt][e] *= alpha[mi][e / 2];
-    }
-
-    // O += P V: the S accumulators of two adjacent n8 tiles are the A fragment of one k16 step.
-#pragma unroll
-    for (int kk = 0; kk < kWarpTileN / 16; ++kk) {
-      uint32_t a[kMRep][4];
-#pragma unroll
-      for (int mi = 0; mi < kMRep; ++mi) {
-        a[mi][0] = pack_pair<T>(s_acc[mi][2 * kk][0], s_acc[mi][2 * kk][1]);
-        a[mi][1] = pack_pair<T>(s_acc[mi][2 * kk][2], s_acc[mi][2 * kk][3]);
-        a[mi][2] = pack_pair<T>(s_acc[mi][2 * kk + 1][0], s_acc[mi][2 * kk + 1][1]);
-        a[mi][3] = pack_pair<T>(s_acc[mi][2 * kk + 1][2], s_acc[mi][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int dj = 0; dj < D / 16; ++dj) {
-        uint32_t b[4];
-        const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-        const int ch = dj * 2 + lane / 16;
-        ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
-#pragma unroll
-        for (int mi = 0; mi < kMRep; ++mi) {
-          mma_m16n8k16<T>(o_acc[mi][2 * dj], a[mi], b[0], b[1]);
-          mma_m16n8k16<T>(o_acc[mi][2 * dj + 1], a[mi], b[2], b[3]);
-        }
-      }
-    }
+        },
+        // Masks: only tiles that cross kv_end, the causal edge of this block, or a user mask.
+        [&] {
+          return mask != nullptr || pos0 + kTileN > kv_end ||
+                 (p.is_causal && pos0 + kTileN - 1 > first_pos + row0 / group);
+        },
+        [&](auto& s_acc) {
+          mask_invisible_scores<Traits>(s_acc, p, lane, row0 + warp_row0, num_rows, group, q_start,
+                                        first_pos, kv_end, pos0 + warp_col0);
+        },
+        fold_scale, scale_log2, exp_scale, state);
     sync_group();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();
   if constexpr (kDecode) timeline.loop_end = DecodeTimeline::now();
-  // From here on row_max is in the log2 domain (the merges and the LSE use it).
-#pragma unroll
-  for (int mi = 0; mi < kMRep; ++mi) {
-    row_max[mi][0] *= exp_scale;
-    row_max[mi][1] *= exp_scale;
-  }
-
-  // Full row sums: the 4 lanes of a quad hold disjoint columns of the same row.
-#pragma unroll
-  for (int mi = 0; mi < kMRep; ++mi)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float s = row_sum[mi][half];
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      row_sum[mi][half] = s;
-    }
+  // From here on row_max is in the log2 domain, row_sum the full row's.
+  finish_row_states(state, exp_scale);
 
   T* out = static_cast<T*>(p.out);
   if constexpr (!kDecode) {
@@ -350,12 +229,13 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
         if (row >= num_rows) continue;
         const int token = q_start + row / group;
         const int head = kv_head * group + row % group;
-        const float inv = row_sum[mi][half] > 0.f ? 1.f / row_sum[mi][half] : 0.f;
+        const float sum = state.row_sum[mi][half];
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
         T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
           *reinterpret_cast<uint32_t*>(dst + dt * 8) =
-              pack_pair<T>(o_acc[mi][dt][half * 2] * inv, o_acc[mi][dt][half * 2 + 1] * inv);
+              pack_pair<T>(state.o[mi][dt][half * 2] * inv, state.o[mi][dt][half * 2 + 1] * inv);
         }
       }
     }
@@ -370,63 +250,17 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     // peers', a block barrier in place of the cluster's. Otherwise a split block writes its
     // normalized result and log2-sum-exp to the workspace for paged_decode_merge_kernel, and a
     // lone block its output.
-    sync_group();
-    float* merge_o = reinterpret_cast<float*>(k_smem);  // [kWarps][16][kMergeRowStride]
-    float* merge_m = merge_o + Traits::kWarps * 16 * Traits::kMergeRowStride;  // [kWarps][16]
-    float* merge_l = merge_m + Traits::kWarps * 16;                            // [kWarps][16]
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = lane_row + half * 8;
-      if (row0 + r >= num_rows) continue;  // rows padding the group to 16 are never read
-      float* dst = merge_o + (warp * 16 + r) * Traits::kMergeRowStride + lane_col;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
-        *reinterpret_cast<float2*>(dst + dt * 8) =
-            make_float2(o_acc[0][dt][half * 2], o_acc[0][dt][half * 2 + 1]);
-      if (lane % 4 == 0) {
-        merge_m[warp * 16 + r] = row_max[0][half];
-        merge_l[warp * 16 + r] = row_sum[0][half];
-      }
-    }
-    sync_group();
-
-    constexpr int kColumns = D / 4;
-    constexpr int kRowsPerPass = kThreads / kColumns;
-    constexpr int kItems = 16 / kRowsPerPass;
-    static_assert(kThreads % kColumns == 0 && 16 % kRowsPerPass == 0, "merge items");
+    sync_group();  // the merge region is the K/V stages' (paged_attention_tile_math.cuh)
+    MergedRows<Traits> merged = merge_warp_states<Traits>(reinterpret_cast<unsigned char*>(k_smem),
+                                                          state, tid, num_rows - row0, sync_group);
+    constexpr int kColumns = MergedRows<Traits>::kColumns;
+    constexpr int kItems = MergedRows<Traits>::kItems;
     const int column = tid % kColumns;
     const int c = column * 4;
-    auto item_row = [&](int i) { return tid / kColumns + i * kRowsPerPass; };
-    // Softmax state of one row's 4 columns: max (log2 domain), sum, unnormalized output.
-    float item_m[kItems], item_l[kItems];
-    float4 item_o[kItems];
-#pragma unroll
-    for (int i = 0; i < kItems; ++i) {
-      const int r = item_row(i);
-      const bool valid = row0 + r < num_rows;  // padding rows were not written
-      float m = kNegInf;
-#pragma unroll
-      for (int w = 0; w < Traits::kWarps; ++w)
-        if (valid) m = fmaxf(m, merge_m[w * 16 + r]);
-      float l = 0.f;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (m != kNegInf) {
-#pragma unroll
-        for (int w = 0; w < Traits::kWarps; ++w) {
-          const float weight = exp2f(merge_m[w * 16 + r] - m);
-          l += merge_l[w * 16 + r] * weight;
-          const float4 o = *reinterpret_cast<const float4*>(
-              merge_o + (w * 16 + r) * Traits::kMergeRowStride + c);
-          acc.x += o.x * weight;
-          acc.y += o.y * weight;
-          acc.z += o.z * weight;
-          acc.w += o.w * weight;
-        }
-      }
-      item_m[i] = m;
-      item_l[i] = l;
-      item_o[i] = acc;
-    }
+    auto item_row = [&](int i) { return MergedRows<Traits>::row(tid, i); };
+    float (&item_m)[kItems] = merged.m;
+    float (&item_l)[kItems] = merged.l;
+    float4(&item_o)[kItems] = merged.o;
 
     const bool pair_merge = kGroups > 1 || args.merge_in_cluster;
     bool owned = true;  // this block (group) writes this thread's column
@@ -507,12 +341,6 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     }
     timeline.report(seq_len, num_tiles);
   }
-}
-
-inline LaunchStatus status_after_launch(const char* what) {
-  const cudaError_t error = cudaGetLastError();
-  if (error == cudaSuccess) return {};
-  return {std::string(what) + ": " + cudaGetErrorString(error)};
 }
 
 // Launches one instantiation (grid from shapes only): in decode, the splits of a (sequence, kv

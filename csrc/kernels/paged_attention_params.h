@@ -92,11 +92,16 @@ struct PagedAttentionParams {
 // paged_decode_can_merge_in_block_pairs says the pair fits the SM as well as 2 blocks do).
 // eight_warp_blocks (1 split): one block of 8 warps per (sequence, kv head, row tile), one per SM,
 // which the binding runs in place of block pairs (paged_decode_eight_warp_blocks_pay).
+// persistent_blocks (1 split): that many eight-warp blocks, one per SM, take the (sequence, kv
+// head, row tile) items in turn (paged_decode_persistent_kernel.cuh), where the binding's rule says
+// (paged_decode_persistent_pays).
 struct PagedDecodeParams : PagedAttentionParams {
   int num_splits;             // from paged_decode_num_splits(); 1 = no workspace needed
   bool merge_in_cluster;      // only where paged_decode_can_merge_in_cluster(num_splits)
   bool merge_in_block_pairs;  // only where paged_decode_can_merge_in_block_pairs(...)
   bool eight_warp_blocks;     // only where paged_decode_can_run_eight_warp_blocks(...)
+  int persistent_blocks;      // > 0: the persistent decode's grid (paged_decode_can_run_persistent)
+  int* persistent_claim_counter;  // persistent decode: one int, zero at launch (items claimed)
   float* workspace;  // paged_decode_workspace_floats() floats, or null when none are needed
 };
 

@@ -155,10 +155,34 @@ struct PagedAttentionTraits {
   static_assert((kTileN * kChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
 };
 
+// Shared memory of the persistent decode block (paged_decode_persistent_kernel.cuh): two query
+// buffers, the K and V stages and the page-id ring as the eight-warp block has them, then the
+// merge region (the K/V stages hold the next item's tiles while the warps merge) and the queue of
+// the block's items (index and length, kItemSlots of each).
+template <typename Traits>
+struct PersistentDecodeLayout {
+  static_assert(Traits::kDecode && Traits::kPageIdRing && Traits::kGroups == 1,
+                "the eight-warp decode block's tiles");
+  static constexpr int kItemSlots = 8;  // a power of two above the items in flight (at most 5)
+  static constexpr int kQueryBytes = Traits::kQSmemElements * 2;
+  static constexpr int kStageBytes = Traits::kKVSmemElements * 2;  // all stages of K (or V)
+  static constexpr int kQueryOffset = 0;                           // [2] query buffers
+  static constexpr int kKOffset = kQueryOffset + 2 * kQueryBytes;
+  static constexpr int kVOffset = kKOffset + kStageBytes;
+  static constexpr int kPageIdOffset = kVOffset + kStageBytes;
+  static constexpr int kMergeOffset = kPageIdOffset + Traits::kPageIdBytes;
+  static constexpr int kItemQueueOffset = kMergeOffset + Traits::kMergeBytes;
+  static constexpr int kSmemBytes = kItemQueueOffset + 2 * kItemSlots * 4;
+  static_assert(kMergeOffset % 16 == 0 && kItemQueueOffset % 16 == 0, "16-byte aligned regions");
+  static_assert(kSmemBytes <= kBlockSharedMemoryLimitBytes, "one block per SM");
+};
+
 // Head dims with a block-pair decode kernel: D = 128, whose pair (2 x 72 KB) takes an H200 SM as
 // its 2 single blocks do. (D = 64 runs 4 single blocks per SM, D = 256 pairs do not fit.)
 constexpr bool paged_decode_block_pairs_compiled(int head_dim) { return head_dim == 128; }
 // Head dims with an eight-warp decode kernel: D = 128, where it replaces the block pairs.
 constexpr bool paged_decode_eight_warp_blocks_compiled(int head_dim) { return head_dim == 128; }
+// Head dims with a persistent decode kernel (paged_decode_persistent_kernel.cuh): D = 128.
+constexpr bool paged_decode_persistent_compiled(int head_dim) { return head_dim == 128; }
 
 }  // namespace astrai::kernels

@@ -70,4 +70,42 @@ constexpr bool decode_eight_warp_blocks_pay(int64_t max_kv_len) {
   return max_kv_len > 0 && max_kv_len <= 16384;
 }
 
+// Whether the persistent eight-warp decode (one block per SM taking the (sequence, kv head, row
+// tile) items in turn, claimed from a counter, paged_decode_persistent_kernel.cuh) replaces one
+// split of 4-warp blocks (two per SM, handed out by the hardware). With n = ceil(items / SMs)
+// rounds of one item per SM: at 3 and from 5 rounds up. At odd n the 4-warp grid's last wave
+// leaves half of its slots empty and the persistent decode is 4-18% faster on uniform lengths; at
+// 6 and 8 rounds the two are level on uniform lengths (within 0.5%); on ragged lengths (random
+// from 1 to 2 L - 1) the persistent decode is 3-11% faster from B=32 up, claiming as it goes
+// where the hardware's blocks wait for a slot. At 2 and 4 rounds the 4-warp blocks are faster on
+// uniform lengths (B=24: 95.9 vs 108.4 us, B=56: 213.5 vs 227.7). H200 (132 SMs), bf16, Hq=32,
+// D=128, page 16, shuffled pages, kernel us (profiler; the persistent column includes the 0.7-0.8
+// us fill of its counter) persistent / 4-warp / SDPA cuDNN, benchmarks/decode_pairs_ab.py
+// (results/decode_persistent_NVIDIA-H200_2026-12-03.md):
+//
+//   B, L, Hkv      items  n  uniform                  ragged (persistent / 4-warp)
+//   24, 4096, 8     192   2  108.4 / 95.9 / 96.4      161.1 / 158.5
+//   32, 4096, 8     256   2  122.8 / 120.4 / 120.8    138.3 / 155.0
+//   40, 4096, 8     320   3  167.5 / 195.1 / 168.9    216.7 / 223.8
+//   48, 4096, 8     384   3  182.8 / 198.3 / 193.6    211.8 / 229.8
+//   48, 2048, 8     384   3   92.7 / 102.2 / 96.7      64.0 / 63.3 (L=1024)
+//   12, 4096, 32    384   3  181.4 / 197.3 / 187.4
+//   56, 4096, 8     448   4  227.7 / 213.5 / 212.7
+//   64, 4096, 8     512   4  237.9 / 238.5 / 237.4    281.0 / 296.1
+//   64, 8192, 8     512   4  471.9 / 473.7 / 470.3
+//   80, 4096, 8     640   5  297.8 / 316.1 / 306.6    339.4 / 360.0
+//   20, 4096, 32    640   5  297.6 / 315.9 / 306.0
+//   96, 4096, 8     768   6  355.4 / 354.8 / 352.6    405.1 / 428.4
+//   112, 4096, 8    896   7  413.5 / 436.2 / 430.7    417.9 / 443.9
+//   128, 2048, 8   1024   8  239.6 / 240.4 / 237.6    252.2 / 259.7
+//   32, 4096, 32   1024   8  470.4 / 468.7 / 464.6
+//
+// At 4 rounds B=64 is level and gains on ragged lengths, but B=56 loses: 4 rounds stay on 4-warp
+// blocks, as 2 do.
+constexpr bool decode_persistent_blocks_pay(int64_t num_items, int64_t num_sms) {
+  if (num_sms <= 0 || num_items <= num_sms) return false;
+  const int64_t rounds = (num_items + num_sms - 1) / num_sms;
+  return rounds == 3 || rounds >= 5;
+}
+
 }  // namespace astrai::kernels

@@ -5,6 +5,8 @@
 //                       starts at kv position kv_begin + t * tile_step)
 //   fetch_ids(tile)     Traits::kPageIdRing instead: start copying the tile's page ids into its
 //                       slot of a ring in shared memory, landed with the next commit's step
+//   *_at(...)           fetch_ids and issue for another (sequence, kv head) and ring slot (the
+//                       persistent decode, paged_decode_persistent_kernel.cuh)
 //   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
 //   commit()            close the copies issued so far as one pipeline step
 //   wait()              block until the oldest pending tile is in shared memory, visible to
@@ -102,8 +104,8 @@ struct KVTileLoader {
     row0 = tid / kChunks;
     chunk = tid % kChunks;
     thread = tid;
-    k_thread = src.k_head + chunk * 8 * (int)sizeof(T);
-    v_thread = src.v_head + chunk * 8 * (int)sizeof(T);
+    k_thread = thread_column(src.k_head);
+    v_thread = thread_column(src.v_head);
   }
 
   __device__ __forceinline__ void lookup(int tile) {
@@ -118,19 +120,34 @@ struct KVTileLoader {
 
   // kIdRing: one thread per page id of the tile (tiles start at multiples of kTileN, so a tile
   // spans kTileN / page size pages, or one); ids past the block table's width read as 0.
-  __device__ __forceinline__ void fetch_ids(int tile) {
+  __device__ __forceinline__ void fetch_ids(int tile) { fetch_ids_at(src.block_table, tile, tile); }
+  // The same for another sequence's row of the block table, into the ring slot of tile slot_tile
+  // (the persistent decode's stream of tiles over several items).
+  __device__ __forceinline__ void fetch_ids_at(const int32_t* block_table, int tile,
+                                               int slot_tile) {
     static_assert(kIdRing, "fetch_ids: the page-id ring");
     const int log2_page = src.log2_page_size;
     const int count = max(1, kTileN >> log2_page);
     if (thread < count) {
       const int index = ((src.kv_begin + tile * src.tile_step) >> log2_page) + thread;
       const bool valid = index < (src.lookup_end >> log2_page);
-      cp_async_4(shared_address(id_ring + (tile & (kIdSlots - 1)) * kTileN + thread),
-                 src.block_table + (valid ? index : 0), valid);
+      cp_async_4(shared_address(id_ring + (slot_tile & (kIdSlots - 1)) * kTileN + thread),
+                 block_table + (valid ? index : 0), valid);
     }
   }
 
+  // This thread's column of a (sequence, kv head)'s rows: head + its 16-byte chunk.
+  __device__ __forceinline__ const char* thread_column(const char* head) const {
+    return head + chunk * 8 * (int)sizeof(T);
+  }
+
   __device__ __forceinline__ void issue(int tile, int stage) {
+    issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile);
+  }
+  // The same for another (sequence, kv head): its columns (thread_column) and kv end, page ids
+  // from the ring slot of tile slot_tile.
+  __device__ __forceinline__ void issue_at(const char* k_column, const char* v_column, int kv_end,
+                                           int tile, int stage, int slot_tile) {
     const int pos0 = src.kv_begin + tile * src.tile_step + row0;
     const int page_mask = (1 << src.log2_page_size) - 1;
     T* k_dst = k_smem + stage * Traits::kTileElements;
@@ -140,20 +157,20 @@ struct KVTileLoader {
       const int pos = pos0 + i * kRowsPerPass;
       // Rows past kv_end read nothing (zero fill); page 0 keeps their address a plain pool
       // address (their looked-up id may be anything).
-      const bool valid = pos < src.kv_end;
+      const bool valid = pos < kv_end;
       int page = 0;
       if (valid) {
         if constexpr (kIdRing)
-          page = id_ring[(tile & (kIdSlots - 1)) * kTileN +
+          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN +
                          ((row0 + i * kRowsPerPass) >> src.log2_page_size)];
         else
           page = pages[i];
       }
       const int slot = pos & page_mask;
       const char* k_src =
-          k_thread + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
+          k_column + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
       const char* v_src =
-          v_thread + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
+          v_column + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
       const int row = row0 + i * kRowsPerPass;
       int offset;
       if constexpr (Traits::kWgmmaTiles)

@@ -73,9 +73,40 @@ TEST(DecodeEightWarpBlocks, ReplaceThePairsUpTo16384Positions) {
   EXPECT_FALSE(decode_eight_warp_blocks_pay(0));
 }
 
+TEST(DecodePersistentBlocks, RunAtThreeRoundsOfOneItemPerSmAndFromFive) {
+  using astrai::kernels::decode_persistent_blocks_pay;
+  // 132 SMs: the measured batch sizes at Hkv = 8 (items = 8 B), rounds = ceil(items / 132).
+  EXPECT_FALSE(decode_persistent_blocks_pay(192, 132));  // B=24: 2 rounds
+  EXPECT_FALSE(decode_persistent_blocks_pay(256, 132));  // B=32: 2
+  EXPECT_TRUE(decode_persistent_blocks_pay(320, 132));   // B=40: 3
+  EXPECT_TRUE(decode_persistent_blocks_pay(384, 132));   // B=48: 3
+  EXPECT_FALSE(decode_persistent_blocks_pay(448, 132));  // B=56: 4
+  EXPECT_FALSE(decode_persistent_blocks_pay(512, 132));  // B=64: 4
+  EXPECT_TRUE(decode_persistent_blocks_pay(640, 132));   // B=80: 5
+  EXPECT_TRUE(decode_persistent_blocks_pay(768, 132));   // B=96: 6
+  EXPECT_TRUE(decode_persistent_blocks_pay(896, 132));   // B=112: 7
+  EXPECT_TRUE(decode_persistent_blocks_pay(1024, 132));  // B=128: 8
+  // One round or less is the split rule's (block pairs, eight-warp blocks); edges of a round.
+  EXPECT_FALSE(decode_persistent_blocks_pay(132, 132));
+  EXPECT_FALSE(decode_persistent_blocks_pay(100, 132));
+  EXPECT_TRUE(decode_persistent_blocks_pay(265, 132));
+  EXPECT_TRUE(decode_persistent_blocks_pay(396, 132));
+  EXPECT_FALSE(decode_persistent_blocks_pay(397, 132));  // 4 rounds
+  EXPECT_TRUE(decode_persistent_blocks_pay(529, 132));   // 5
+  EXPECT_FALSE(decode_persistent_blocks_pay(1000, 0));
+}
+
 // The rule's slots assume 2 single decode blocks per SM at D = 128 (4 at D = 64) and a block pair
 // in place of both (paged_attention_traits.h, with an H200 SM's shared-memory figures).
 using astrai::kernels::kBlockSharedMemoryLimitBytes;
+TEST(DecodeResidency, OnePersistentBlockPerSmAtHeadDim128) {
+  using Eight = astrai::kernels::PagedAttentionTraits<128, true, 1, 8>;
+  using Layout = astrai::kernels::PersistentDecodeLayout<Eight>;
+  EXPECT_LE(Layout::kSmemBytes, kBlockSharedMemoryLimitBytes);
+  EXPECT_GT(Layout::kSmemBytes, 163 * 1024);  // not on an A100: the rule never asks there
+  EXPECT_EQ(Layout::kSmemBytes, 209984);      // tests/kernels' persistent_decode_fits
+}
+
 constexpr int resident(int block_bytes) {
   return astrai::kernels::kSmSharedMemoryBytes /
          (block_bytes + astrai::kernels::kSharedMemoryReservedPerBlock);

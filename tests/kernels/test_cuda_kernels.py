@@ -225,24 +225,40 @@ def test_decode_long_sequence_uses_splits(dtype):
 # the merge kernel), "pairs" (one block of two groups of warps wherever that runs, else as auto),
 # "cluster" (block pairs off) and "kernel" (the workspace and the merge kernel). "eight": one split
 # forced runs as eight-warp blocks (D = 128, where the block fits), and they replace the block
-# pairs at any length.
+# pairs at any length. "persistent": one split forced runs the persistent decode (D = 128) on 3
+# blocks, so that each block takes several items.
 MERGE_SWITCHES = {
     "auto": {},
     "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1", "ASTR_DECODE_EIGHT_WARPS": "0"},
     "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
     "kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
     "eight": {"ASTR_DECODE_EIGHT_WARPS": "1"},
+    "persistent": {"ASTR_DECODE_PERSISTENT": "1", "ASTR_DECODE_PERSISTENT_BLOCKS": "3"},
 }
+SWITCH_NAMES = (
+    "ASTR_DECODE_BLOCK_PAIRS",
+    "ASTR_DECODE_CLUSTER_MERGE",
+    "ASTR_DECODE_EIGHT_WARPS",
+    "ASTR_DECODE_PERSISTENT",
+    "ASTR_DECODE_PERSISTENT_BLOCKS",
+)
 
 
 def set_merge(monkeypatch, merge):
-    for name in ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE", "ASTR_DECODE_EIGHT_WARPS"):
+    for name in SWITCH_NAMES:
         monkeypatch.delenv(name, raising=False)
     for name, value in MERGE_SWITCHES[merge].items():
         monkeypatch.setenv(name, value)
 
 
-SPLITS_AND_MERGES = [(1, "auto"), (1, "eight"), (2, "pairs"), (2, "cluster"), (2, "kernel")]
+SPLITS_AND_MERGES = [
+    (1, "auto"),
+    (1, "eight"),
+    (1, "persistent"),
+    (2, "pairs"),
+    (2, "cluster"),
+    (2, "kernel"),
+]
 SPLITS_AND_MERGES += [(n, "auto") for n in (3, 5, 8, 9, 32)]
 
 
@@ -505,6 +521,128 @@ def test_decode_eight_warp_blocks_with_mask_and_any_scale(scale, monkeypatch):
     assert (out[1] == 0).all()
 
 
+PERSISTENT_KERNEL = "paged_decode_persistent_kernel"
+
+
+def persistent_decode_fits():
+    """The persistent decode block's shared memory (209984 bytes) against the opt-in limit."""
+    props = torch.cuda.get_device_properties(0)
+    return getattr(props, "shared_memory_per_block_optin", 0) >= 209984
+
+
+needs_persistent_block = pytest.mark.skipif(
+    not torch.cuda.is_available() or not persistent_decode_fits(),
+    reason="the persistent decode: a GPU that gives a block 206 KB of shared memory",
+)
+
+
+def force_persistent_decode(monkeypatch, blocks):
+    monkeypatch.setenv("ASTR_DECODE_SPLITS", "1")
+    set_merge(monkeypatch, "auto")
+    monkeypatch.setenv("ASTR_DECODE_PERSISTENT", "1")
+    monkeypatch.setenv("ASTR_DECODE_PERSISTENT_BLOCKS", str(blocks))
+
+
+@needs_persistent_block
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("group", [1, 4, 8, 16, 24])
+@pytest.mark.parametrize("blocks", [1, 3, 7])
+def test_decode_persistent_blocks_match_reference(dtype, page_size, group, blocks, monkeypatch):
+    """The persistent decode: each of `blocks` blocks starts with item (sequence, kv head, row
+    tile) b, claims the others in turn from the launch's counter and streams their tiles as one
+    pipeline. Lengths 0 (zeros), 1 and 128 (one tile: the next item's tile follows at once, and
+    its claim is waited for; also as a block's first item), 129, 3000 and a random one; group 24
+    takes two row tiles per (sequence, kv head)."""
+    force_persistent_decode(monkeypatch, blocks)
+    g = torch.Generator(device="cuda").manual_seed(3000 + page_size + group + blocks)
+    lens = [
+        1,
+        128,
+        0,
+        129,
+        1,
+        3000,
+        128,
+        int(torch.randint(2, 5000, (1,), generator=g, device="cuda")),
+    ]
+    batch = PagedBatch(lens, [1] * len(lens), 2 * group, 2, 128, page_size, dtype, generator=g)
+    names = launched_kernel_names(lambda: run_decode(batch))
+    assert any(PERSISTENT_KERNEL in n for n in names), names
+    out = run_decode(batch)
+    assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
+    assert (out[2] == 0).all()
+
+
+@needs_persistent_block
+@pytest.mark.parametrize("blocks", [2, 5, 132])
+def test_decode_persistent_blocks_ragged_batch_covers_every_item(blocks, monkeypatch):
+    """A ragged batch of 61 sequences (lengths 1 to 6000, a run of one-tile ones) over 2, 5 or 132
+    blocks: every item is claimed once and written (poisoned output, NaN otherwise), whatever the
+    order in which the blocks claim them."""
+    force_persistent_decode(monkeypatch, blocks)
+    g = torch.Generator(device="cuda").manual_seed(59 + blocks)
+    lens = torch.randint(1, 6000, (61,), generator=g, device="cuda").tolist()
+    lens[10:20] = [1, 2, 128, 1, 5, 128, 1, 1, 64, 3]
+    batch = PagedBatch(lens, [1] * 61, 16, 4, 128, 16, torch.bfloat16, generator=g)
+    for _ in range(3):
+        out = run_decode(batch)
+        assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), torch.bfloat16)
+
+
+@needs_persistent_block
+@pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
+def test_decode_persistent_blocks_with_mask_and_any_scale(scale, monkeypatch):
+    """The persistent decode with a user mask (one sequence sees no key: zeros; the mask narrower
+    than the longest sequence) and scales of any sign, on 2 blocks."""
+    force_persistent_decode(monkeypatch, 2)
+    g = torch.Generator(device="cuda").manual_seed(37)
+    batch = PagedBatch(
+        [700, 5, 3000, 40, 2500], [1] * 5, 8, 2, 128, 16, torch.bfloat16, generator=g
+    )
+    mask = torch.rand(5, 2600, generator=g, device="cuda") > 0.3
+    mask[1] = False
+    out = run_decode(batch, attn_mask=mask, scale=scale)
+    assert_close(out, reference(batch, batch.q, True, scale, mask), torch.bfloat16)
+    assert (out[1] == 0).all()
+
+
+def device_has_132_sms():
+    return torch.cuda.get_device_properties(0).multi_processor_count == 132
+
+
+@needs_persistent_block
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not device_has_132_sms(),
+    reason="the rule's measured grids: an H100/H200 SXM (132 SMs)",
+)
+@pytest.mark.parametrize(
+    "batch_size,expected",
+    [
+        (24, SINGLE_KERNEL),
+        (40, PERSISTENT_KERNEL),
+        (48, PERSISTENT_KERNEL),
+        (64, SINGLE_KERNEL),
+        (80, PERSISTENT_KERNEL),
+        (128, PERSISTENT_KERNEL),
+    ],
+)
+def test_decode_persistent_blocks_run_where_the_rule_says(batch_size, expected, monkeypatch):
+    """By default (shapes only) one split runs the persistent decode where its items, one per SM
+    at a time, take 3 rounds or 5 and more (B=40, 48, 80 and 128 at Hkv=8: 320, 384, 640 and 1024
+    items, 3, 3, 5 and 8 rounds on 132 SMs), and 4-warp blocks at 2 or 4 rounds (B=24, 64)."""
+    monkeypatch.delenv("ASTR_DECODE_SPLITS", raising=False)
+    set_merge(monkeypatch, "auto")
+    g = torch.Generator(device="cuda").manual_seed(53 + batch_size)
+    lens = torch.randint(1, 1500, (batch_size,), generator=g, device="cuda").tolist()
+    batch = PagedBatch(lens, [1] * batch_size, 32, 8, 128, 16, torch.bfloat16, generator=g)
+    names = launched_kernel_names(lambda: run_decode(batch))
+    attention = [n for n in names if "paged_" in n and "kernel" in n]
+    assert len(attention) == 1 and expected in attention[0], attention
+    ref = reference(batch, batch.q, True, 1.0 / math.sqrt(128))
+    assert_close(run_decode(batch), ref, torch.bfloat16)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="block pairs: an sm_90 GPU",
@@ -528,7 +666,15 @@ def test_decode_eight_warp_blocks_replace_pairs_up_to_16384_positions(monkeypatc
 
 @pytest.mark.parametrize(
     "splits,merge",
-    [(None, "auto"), (1, "eight"), (2, "pairs"), (2, "cluster"), (2, "kernel"), (24, "auto")],
+    [
+        (None, "auto"),
+        (1, "eight"),
+        (1, "persistent"),
+        (2, "pairs"),
+        (2, "cluster"),
+        (2, "kernel"),
+        (24, "auto"),
+    ],
 )
 def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, monkeypatch):
     """Capture one decode step, then replay it as the sequences grow: the split count and the

@@ -1,0 +1,326 @@
+// Persistent eight-warp decode: one block per SM takes (sequence, kv head, row tile) items in turn
+// and keeps one K/V pipeline running across item boundaries.
+//
+// The eight-warp decode block (PagedAttentionTraits<128, true, 1, 8>: 128-position tiles, 16 kv
+// positions of each per warp, page ids two tiles ahead from a ring in shared memory) streams a
+// sequence's K/V at the rate of the best bare read of a shuffled page pool, but a grid of more
+// than one wave of such blocks loses ~4% to block starts and ends: each block waits for its page
+// ids, query and first tile before its stream starts, and drains its pipeline before its epilogue
+// (benchmarks/NOTES.md, "Where the remaining gap is"). Here the block's tiles form one stream over
+// all of its items: virtual tile g is tile t of item k, in stage g % kStages and page-id ring slot
+// g % kPageIdSlots, and three cursors walk it:
+//
+//   consume  the tile the warps compute on (step g)
+//   issue    the tile whose copy starts at step g (g + 1), with the query of its item when it is
+//            the item's first tile (into the item's query buffer: two, by item parity)
+//   ids      the tile whose page ids are fetched at step g (g + 3)
+//
+// so the next item's first tile is in flight while the warps finish this item and merge their
+// softmax states (in a region of its own, not the K/V stages the next tile lands in). Every item
+// has at least one tile (a sequence of length 0 runs one tile of masked scores and writes zeros),
+// so a cursor moves to the next item exactly when its tile index reaches the item's count.
+//
+// Items: item i = (sequence, kv head) i / row tiles, row tile i % row tiles. Block b starts with
+// item b and claims each further item from a counter (zero at launch) when its ids cursor is 3
+// tiles from the end of its current item. The items then run in index order, as a grid of
+// one-item blocks would start them, and a block on a slow SM or with long sequences takes fewer.
+// A fixed share per block (b, b + grid, ...) ran ragged batches 3-13% slower than the 4-warp
+// blocks the hardware hands out, and claiming a whole item ahead 3-9% slower; this form is 3-11%
+// faster (results/decode_persistent_NVIDIA-H200_2026-12-03.md). A claim is stored, and its
+// length copied, a step after its atomic, and has landed two steps later, when the ids cursor
+// needs it; where items are shorter than 3 tiles the cursor waits for it. One split; the grid is
+// the SM count (at most the item count).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "device_primitives.cuh"
+#include "launch.h"
+#include "paged_attention_instantiations.h"
+#include "paged_attention_params.h"
+#include "paged_attention_rows.cuh"
+#include "paged_attention_tile_math.cuh"
+#include "paged_attention_traits.h"
+#include "paged_kv_tile_loader.cuh"
+
+namespace astrai::kernels {
+
+// A position in the block's stream of tiles: tile t of the block's item k, which has `tiles`.
+struct ItemTileCursor {
+  int k, t, tiles;
+};
+
+template <typename Traits, typename T>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    paged_decode_persistent_kernel(const __grid_constant__ PagedKernelArgs args) {
+  using Layout = PersistentDecodeLayout<Traits>;
+  using Loader = KVTileLoader<Traits, T>;
+  constexpr int D = Traits::kHeadDim;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kTileN = Traits::kTileN;
+  constexpr int kStages = Traits::kStages;
+  static_assert(kStages == 2, "the cursors are one tile (data) and three tiles (ids) ahead");
+
+  const PagedAttentionParams& p = args.base;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* q_buffers = reinterpret_cast<T*>(smem + Layout::kQueryOffset);
+  T* k_smem = reinterpret_cast<T*>(smem + Layout::kKOffset);
+  T* v_smem = reinterpret_cast<T*>(smem + Layout::kVOffset);
+  int32_t* page_ids = reinterpret_cast<int32_t*>(smem + Layout::kPageIdOffset);
+  unsigned char* merge = smem + Layout::kMergeOffset;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int row_tiles = (group + 15) / 16;
+  const int seq_heads_tiles = p.num_kv_heads * row_tiles;
+  const int num_items = p.num_seqs * seq_heads_tiles;
+
+  // The block's items, in the order it takes them: item k of the block sits in slot
+  // k % kItemSlots of the queue (its global index and its sequence's length). Item 0 is the
+  // block's own (blockIdx.x; the grid is at most the item count); item k + 1 is claimed from the
+  // launch's counter while the ids cursor is in item k (kClaimLead below; an index past the last
+  // item ends the block's stream).
+  constexpr int kSlots = Layout::kItemSlots;
+  int* queue_item = reinterpret_cast<int*>(smem + Layout::kItemQueueOffset);
+  int* queue_length = queue_item + kSlots;
+  auto item_of = [&](int k) { return queue_item[k & (kSlots - 1)]; };
+  auto seq_of = [&](int k) { return item_of(k) / seq_heads_tiles; };
+  auto kv_head_of = [&](int k) { return item_of(k) / row_tiles % p.num_kv_heads; };
+  auto row0_of = [&](int k) { return item_of(k) % row_tiles * 16; };
+  // Decode: the token sees positions < seq_len (its causal edge too), and < the mask's width.
+  auto kv_end_of = [&](int k) {
+    const int seq_len = queue_length[k & (kSlots - 1)];
+    return p.attn_mask != nullptr ? min(seq_len, p.mask_kv_len) : seq_len;
+  };
+  auto tiles_of = [&](int k) { return max(1, (kv_end_of(k) + kTileN - 1) / kTileN); };
+  auto block_table_of = [&](int k) { return p.block_table + seq_of(k) * p.block_table_stride; };
+  auto load_query = [&](int k) {
+    load_query_rows<T, 16, Traits::kChunksPerRow, kThreads>(
+        p, q_buffers + (k & 1) * Traits::kQSmemElements, tid, seq_of(k), row0_of(k), group, group,
+        kv_head_of(k), [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); });
+  };
+
+  // Pool addressing shared by every item; the loader is pointed at an item per call.
+  KVTileSource source = kv_tile_source<T>(p, 0, 0);
+  source.kv_begin = 0;
+  source.tile_step = kTileN;
+  source.lookup_end =
+      static_cast<int>(min((int64_t)p.block_table_width << p.log2_page_size, (int64_t)INT32_MAX));
+  Loader loader(source, k_smem, v_smem, tid, page_ids);
+  const char* k_cache = static_cast<const char*>(p.k_cache);
+  const char* v_cache = static_cast<const char*>(p.v_cache);
+  const int64_t k_head_bytes = p.k_stride_head * (int64_t)sizeof(T);
+  const int64_t v_head_bytes = p.v_stride_head * (int64_t)sizeof(T);
+
+  // Claims. Thread 0 issues the atomic (its result is not waited for there); at the start of the
+  // next step it writes the index into the queue and starts copying the length with that step's
+  // copies, so the length has landed two steps after the store (store_step). A cursor entering
+  // an item sooner (items of fewer tiles than the ids cursor is ahead) waits for everything in
+  // flight instead.
+  int claim_result = 0;         // thread 0: the counter's value returned by the atomic
+  bool claim_pending = false;   // an atomic issued, its item not yet stored
+  int store_step = -(1 << 30);  // step whose copies carry the last stored item's length
+  auto claim_next = [&] {
+    if (tid == 0) claim_result = atomicAdd(args.claim_counter, 1);
+    claim_pending = true;
+  };
+  auto store_claim = [&](int k, int step) {
+    if (tid == 0) {
+      const int item = gridDim.x + claim_result;
+      queue_item[k & (kSlots - 1)] = item;
+      if (item < num_items)
+        cp_async_4(shared_address(queue_length + (k & (kSlots - 1))),
+                   p.seq_lens + item / seq_heads_tiles, true);
+    }
+    claim_pending = false;
+    store_step = step;
+  };
+  // Before the ids cursor enters item k (k >= 1), at step `step`: its index and length visible.
+  auto make_known = [&](int k, int step) {
+    if (claim_pending) store_claim(k, step);
+    if (step < store_step + 2) {
+      loader.commit();
+      cp_async_wait<0>();
+      __syncthreads();
+      store_step = -(1 << 30);
+    }
+  };
+
+  // ---- prologue: the first item's length, query and first two tiles' page ids; a claim -------
+  if (tid < kSlots) queue_item[tid] = tid == 0 ? static_cast<int>(blockIdx.x) : num_items;
+  if (tid == 0)
+    cp_async_4(shared_address(queue_length), p.seq_lens + blockIdx.x / seq_heads_tiles, true);
+  __syncthreads();
+  load_query(0);
+  loader.fetch_ids_at(block_table_of(0), 0, 0);
+  loader.fetch_ids_at(block_table_of(0), 1, 1);
+  loader.commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // A cursor past the block's last item stays there (tiles = 0).
+  auto advance = [&](ItemTileCursor& c) {
+    if (c.tiles == 0) return;
+    if (++c.t >= c.tiles) {
+      ++c.k;
+      c.t = 0;
+      c.tiles = item_of(c.k) < num_items ? tiles_of(c.k) : 0;
+    }
+  };
+  auto valid = [](const ItemTileCursor& c) { return c.tiles > 0; };
+  // The ids cursor leads: it claims the next item kClaimLead tiles before the end of its item (at
+  // its first tile if it has fewer), late enough that a block does not hold an item it cannot
+  // start soon (claims on entering an item ran ragged batches 5-9% slower than the 4-warp
+  // blocks), early enough that the claim has landed when the cursor gets there; and it makes the
+  // next item known before it enters it.
+  constexpr int kClaimLead = 3;
+  auto claims_here = [](const ItemTileCursor& c) {
+    return c.tiles > 0 && c.t == max(0, c.tiles - kClaimLead);
+  };
+  auto advance_ids = [&](ItemTileCursor& c, int step) {
+    if (!valid(c)) return;
+    if (c.t + 1 >= c.tiles) make_known(c.k + 1, step);
+    advance(c);
+    if (claims_here(c)) claim_next();
+  };
+  ItemTileCursor consume{0, 0, tiles_of(0)};
+  ItemTileCursor issue = consume, ids = consume;
+  if (claims_here(ids)) claim_next();
+  // The issue cursor's item: its threads' K/V columns and its kv end.
+  const char *k_thread = nullptr, *v_thread = nullptr;
+  int issue_kv_end = 0;
+  auto aim_issue = [&](int k) {
+    k_thread = loader.thread_column(k_cache + kv_head_of(k) * k_head_bytes);
+    v_thread = loader.thread_column(v_cache + kv_head_of(k) * v_head_bytes);
+    issue_kv_end = kv_end_of(k);
+  };
+  aim_issue(0);
+  advance_ids(ids, -1);  // tile 0's ids are in slot 0
+  if (ids.t == 0 && valid(ids)) {
+    // The first item has one tile: virtual tile 1 is the second item's first (slot 1 holds the
+    // first item's tile 1, which does not exist).
+    loader.fetch_ids_at(block_table_of(ids.k), 0, 1);
+    loader.commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+  advance_ids(ids, -1);
+  // Step "-1": tile 0 into stage 0, the ids of virtual tile 2.
+  loader.issue_at(k_thread, v_thread, issue_kv_end, issue.t, 0, 0);
+  advance(issue);
+  if (valid(ids)) {
+    loader.fetch_ids_at(block_table_of(ids.k), ids.t, 2);
+    advance_ids(ids, -1);
+  }
+  loader.commit();
+
+  const float scale_log2 = args.scale_log2;
+  const bool fold_scale = scale_log2 > 0.f;
+  const float exp_scale = fold_scale ? scale_log2 : 1.f;
+  const int warp_col0 = warp * Traits::kWarpTileN;
+  T* out = static_cast<T*>(p.out);
+
+  WarpSoftmaxState<Traits> state;
+  uint32_t q_frag[D / 16][4];
+  int seq = 0, kv_head = 0, row0 = 0, kv_end = 0, num_rows = 0, first_pos = 0;
+
+  for (int g = 0; valid(consume); ++g) {
+    // ---- producer: the claim of the last step stored; the copy of tile g + 1 (and its item's
+    // query); the ids of tile g + 3 ---------------------------------------------------------
+    if (claim_pending) store_claim(ids.k + 1, g);
+    if (valid(issue)) {
+      if (issue.t == 0) {
+        aim_issue(issue.k);
+        load_query(issue.k);
+      }
+      loader.issue_at(k_thread, v_thread, issue_kv_end, issue.t, (g + 1) % kStages, g + 1);
+      advance(issue);
+    }
+    if (valid(ids)) {
+      loader.fetch_ids_at(block_table_of(ids.k), ids.t, g + 3);
+      advance_ids(ids, g);
+    }
+    loader.commit();
+    loader.wait();  // tile g (and, at an item's first tile, its query) has landed
+
+    // ---- consumer: tile g ----------------------------------------------------------------
+    const int k = consume.k;
+    if (consume.t == 0) {
+      seq = seq_of(k);
+      kv_head = kv_head_of(k);
+      row0 = row0_of(k);
+      kv_end = kv_end_of(k);
+      first_pos = queue_length[k & (kSlots - 1)] - 1;
+      num_rows = group;
+      state.reset();
+      const T* q_smem = q_buffers + (k & 1) * Traits::kQSmemElements;
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const int r = (lane % 8) + ((lane / 8) % 2) * 8;
+        const int ch = ks * 2 + lane / 16;
+        ldmatrix_x4(shared_address(q_smem + tile_offset<D, Traits::kSwizzle>(r, ch)), q_frag[ks]);
+      }
+    }
+    const int stage = g % kStages;
+    const int pos0 = consume.t * kTileN;
+    attend_kv_tile<Traits, T>(
+        k_smem + stage * Traits::kTileElements, v_smem + stage * Traits::kTileElements, warp_col0,
+        lane,
+        [&](int, int ks, uint32_t (&a)[4]) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[e] = q_frag[ks][e];
+        },
+        [&] {
+          return p.attn_mask != nullptr || pos0 + kTileN > kv_end ||
+                 (p.is_causal && pos0 + kTileN - 1 > first_pos);
+        },
+        [&](auto& s_acc) {
+          mask_invisible_scores<Traits>(s_acc, p, lane, row0, num_rows, group, seq, first_pos,
+                                        kv_end, pos0 + warp_col0);
+        },
+        fold_scale, scale_log2, exp_scale, state);
+
+    if (consume.t == consume.tiles - 1) {
+      // ---- epilogue of item k: merge the warps' states, write the rows ---------------------
+      finish_row_states(state, exp_scale);
+      const MergedRows<Traits> merged =
+          merge_warp_states<Traits>(merge, state, tid, num_rows - row0, [] { __syncthreads(); });
+      const int c = (tid % MergedRows<Traits>::kColumns) * 4;
+#pragma unroll
+      for (int i = 0; i < MergedRows<Traits>::kItems; ++i) {
+        const int row = row0 + MergedRows<Traits>::row(tid, i);
+        if (row >= num_rows) continue;
+        const float inv = merged.l[i] > 0.f ? 1.f / merged.l[i] : 0.f;
+        const float4 acc = merged.o[i];
+        T* dst = out + seq * p.out_stride_token + (kv_head * group + row) * p.out_stride_head + c;
+        uint2 packed;
+        packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
+        packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
+        *reinterpret_cast<uint2*>(dst) = packed;
+      }
+    }
+    __syncthreads();  // the next step's copy overwrites this stage (and its ids' ring slot)
+    advance(consume);
+  }
+  cp_async_wait<0>();
+}
+
+#define ASTRAI_DEFINE_PAGED_DECODE_PERSISTENT(T)                                                  \
+  template <>                                                                                     \
+  LaunchStatus run_paged_decode_persistent<T>(const PagedKernelArgs& args, cudaStream_t stream) { \
+    using Traits = PagedAttentionTraits<128, true, 1, 8>;                                         \
+    constexpr int kSmemBytes = PersistentDecodeLayout<Traits>::kSmemBytes;                        \
+    auto kernel = paged_decode_persistent_kernel<Traits, T>;                                      \
+    const cudaError_t error =                                                                     \
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);    \
+    if (error != cudaSuccess)                                                                     \
+      return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};                 \
+    kernel<<<args.persistent_blocks, Traits::kThreads, kSmemBytes, stream>>>(args);               \
+    return status_after_launch("paged_decode_persistent_kernel");                                 \
+  }
+
+}  // namespace astrai::kernels
