@@ -29,8 +29,8 @@ namespace {
 // rule's block pairs would run (at any length) or where 1 split is forced (other forced counts are
 // kept), ASTR_DECODE_PERSISTENT=0 keeps one split on single blocks where the persistent decode
 // would run and =1 runs it wherever one split runs (also in place of eight-warp blocks),
-// ASTR_DECODE_PERSISTENT_BLOCKS=n gives it a grid of n blocks instead of one per SM (tests: several
-// items per block on small batches), ASTR_PREFILL_WGMMA=0
+// ASTR_DECODE_PERSISTENT_BLOCKS=n gives it a grid of n blocks (at most the item count) instead of
+// one per SM (tests: several items per block on small batches), ASTR_PREFILL_WGMMA=0
 // keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
 // head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
@@ -259,14 +259,14 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     params.merge_in_cluster = !params.merge_in_block_pairs &&
                               kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
                               !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
-    // The persistent decode: one split, where its items are more than one wave of its blocks
-    // (shapes only), on a grid of one block per SM.
+    // The persistent decode: one split, where its rounds of one item per SM pay
+    // (decode_persistent_blocks_pay, shapes only), on a grid of one block per SM.
     const int64_t items =
         kernels::paged_decode_items(base.num_seqs, base.num_q_heads, base.num_kv_heads);
     const bool persistent_on = tuning_switch_is_on("ASTR_DECODE_PERSISTENT");
-    const int persistent_grid = decode_persistent_grid_override() > 0
-                                    ? decode_persistent_grid_override()
-                                    : static_cast<int>(std::min<int64_t>(items, num_sms));
+    const int forced_grid = decode_persistent_grid_override();
+    const int persistent_grid =
+        static_cast<int>(std::min<int64_t>(items, forced_grid > 0 ? forced_grid : num_sms));
     if (params.num_splits == 1 && !params.merge_in_cluster &&
         (persistent_on ||
          (!params.eight_warp_blocks && kernels::decode_persistent_blocks_pay(items, num_sms))) &&

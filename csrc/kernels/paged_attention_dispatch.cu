@@ -83,14 +83,20 @@ LaunchStatus check_common(const PagedAttentionParams& p) {
 
 }  // namespace
 
+// (sequence, kv head, row tile of 16 rows) triples: decode blocks per split, persistent items.
+int64_t paged_decode_items(int num_seqs, int num_q_heads, int num_kv_heads) {
+  if (num_seqs <= 0 || num_kv_heads <= 0) return 0;
+  const int group = std::max(1, num_q_heads / num_kv_heads);
+  return (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
+}
+
 int paged_decode_num_splits(int num_seqs, int num_q_heads, int num_kv_heads, int max_kv_len,
                             int head_dim, int num_sms) {
   // The rule and its measurements: paged_decode_splits.h. E.g. B=1,Hkv=8,L=32768 -> 33 splits
   // (264 blocks, one wave on 132 SMs x 2); B=16,Hkv=8 -> 2; B=64 -> 1.
   constexpr int kTileN = PagedAttentionTraits<128, true>::kTileN;  // the same at every head dim
   if (num_seqs <= 0 || num_kv_heads <= 0) return 1;
-  const int group = std::max(1, num_q_heads / num_kv_heads);
-  const int64_t blocks_per_split = (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
+  const int64_t blocks_per_split = paged_decode_items(num_seqs, num_q_heads, num_kv_heads);
   const int64_t slots =
       (int64_t)std::max(1, num_sms) * std::max(1, blocks_per_sm_for_decode(head_dim));
   const int64_t tiles = ((int64_t)std::max(0, max_kv_len) + kTileN - 1) / kTileN;
@@ -194,12 +200,6 @@ bool paged_decode_can_run_eight_warp_blocks(int num_splits, int head_dim) {
              EightWarps::kBlockSmemBytes;
 }
 
-int64_t paged_decode_items(int num_seqs, int num_q_heads, int num_kv_heads) {
-  if (num_seqs <= 0 || num_kv_heads <= 0) return 0;
-  const int group = std::max(1, num_q_heads / num_kv_heads);
-  return (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
-}
-
 bool paged_decode_can_run_persistent(int num_splits, int head_dim, int64_t num_items, int blocks) {
   using Layout = PersistentDecodeLayout<PagedAttentionTraits<128, true, 1, 8>>;
   return num_splits == 1 && paged_decode_persistent_compiled(head_dim) && blocks > 0 &&
@@ -209,10 +209,8 @@ bool paged_decode_can_run_persistent(int num_splits, int head_dim, int64_t num_i
 
 bool paged_decode_block_pairs_fill_gpu(int num_seqs, int num_q_heads, int num_kv_heads,
                                        int num_sms) {
-  if (num_seqs <= 0 || num_kv_heads <= 0) return false;
-  const int group = std::max(1, num_q_heads / num_kv_heads);
-  const int64_t pair_blocks = (int64_t)num_seqs * num_kv_heads * ((group + 15) / 16);
-  return decode_block_pairs_fill_gpu(pair_blocks, num_sms);
+  return decode_block_pairs_fill_gpu(paged_decode_items(num_seqs, num_q_heads, num_kv_heads),
+                                     num_sms);
 }
 
 size_t paged_decode_workspace_floats(int num_splits, bool merged_in_place, int num_tokens,

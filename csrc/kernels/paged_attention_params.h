@@ -94,7 +94,7 @@ struct PagedAttentionParams {
 // which the binding runs in place of block pairs (paged_decode_eight_warp_blocks_pay).
 // persistent_blocks (1 split): that many eight-warp blocks, one per SM, take the (sequence, kv
 // head, row tile) items in turn (paged_decode_persistent_kernel.cuh), where the binding's rule says
-// (paged_decode_persistent_pays).
+// (decode_persistent_blocks_pay in paged_decode_splits.h).
 struct PagedDecodeParams : PagedAttentionParams {
   int num_splits;             // from paged_decode_num_splits(); 1 = no workspace needed
   bool merge_in_cluster;      // only where paged_decode_can_merge_in_cluster(num_splits)
