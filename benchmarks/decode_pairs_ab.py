@@ -13,7 +13,9 @@ decode kernel at B >= 16); eight_warps runs 1 split as one block of 8 warps per 
 (ASTR_DECODE_EIGHT_WARPS=1; by default it replaces the block pairs where the block table holds at
 most 16384 positions, so `pairs` turns it off); persistent runs 1 split as the persistent eight-
 warp decode (ASTR_DECODE_PERSISTENT=1: one block per SM taking the (sequence, kv head) items in
-turn), no_persistent keeps one split on blocks of 4 warps where the rule would run it. The binding
+turn), persistent_plain does the same but launches it after its claim counter's reset, not as the
+reset's dependent launch (ASTR_DECODE_EARLY_START=0), no_persistent keeps one split on blocks of
+4 warps where the rule would run it. The binding
 reads the switches on every call, so the variants alternate in one process, round after round: the
 table holds the median over rounds of each round's median, with bench_attention.py's timer (256 MB
 read before every call, CUDA events), and each variant's kernel time from the profiler. Outputs
@@ -49,13 +51,15 @@ SWITCHES = {
     "merge_kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
     "one_split": {"ASTR_DECODE_SPLITS": "1"},
     "persistent": {"ASTR_DECODE_PERSISTENT": "1"},
+    "persistent_plain": {"ASTR_DECODE_PERSISTENT": "1", "ASTR_DECODE_EARLY_START": "0"},
     "no_persistent": {"ASTR_DECODE_PERSISTENT": "0"},
 }
 SWITCH_NAMES = ("ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE", "ASTR_DECODE_SPLITS")
-SWITCH_NAMES += ("ASTR_DECODE_EIGHT_WARPS", "ASTR_DECODE_PERSISTENT")
+SWITCH_NAMES += ("ASTR_DECODE_EIGHT_WARPS", "ASTR_DECODE_PERSISTENT", "ASTR_DECODE_EARLY_START")
 VARIANTS = list(SWITCHES) + ["cudnn"]
 RATIOS = [("eight_warps", "pairs"), ("pairs", "cluster"), ("eight_warps", "cudnn")]
 RATIOS += [("persistent", "no_persistent"), ("persistent", "cudnn")]
+RATIOS += [("persistent", "persistent_plain")]
 
 
 def with_switches(switches: dict, call):

@@ -30,7 +30,9 @@ namespace {
 // kept), ASTR_DECODE_PERSISTENT=0 keeps one split on single blocks where the persistent decode
 // would run and =1 runs it wherever one split runs (also in place of eight-warp blocks),
 // ASTR_DECODE_PERSISTENT_BLOCKS=n gives it a grid of n blocks (at most the item count) instead of
-// one per SM (tests: several items per block on small batches), ASTR_PREFILL_WGMMA=0
+// one per SM (tests: several items per block on small batches), ASTR_DECODE_EARLY_START=0 launches
+// the persistent decode after its counter's reset instead of as its dependent launch,
+// ASTR_PREFILL_WGMMA=0
 // keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
 // head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
@@ -285,12 +287,13 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
           at::empty({static_cast<int64_t>(workspace_floats)}, q.options().dtype(at::kFloat));
       params.workspace = workspace.data_ptr<float>();
     }
-    // The persistent decode's claim counter: zero at launch (a fill in the stream, also inside a
-    // captured graph).
+    // The persistent decode's claim counter, which the launch zeroes in the stream (also inside
+    // a captured graph).
     at::Tensor claim_counter;
     if (params.persistent_blocks > 0) {
-      claim_counter = at::zeros({1}, q.options().dtype(at::kInt));
+      claim_counter = at::empty({1}, q.options().dtype(at::kInt));
       params.persistent_claim_counter = claim_counter.data_ptr<int32_t>();
+      params.persistent_early_start = !tuning_switch_is_off("ASTR_DECODE_EARLY_START");
     }
     status = kernels::launch_paged_decode(params, stream);
   } else {

@@ -255,7 +255,7 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
             params.persistent_blocks))))
     return {
         "decode: persistent_blocks needs 1 split, head_dim 128, a grid of 1 to the item count, a "
-        "zeroed claim counter, " +
+        "claim counter, " +
         std::to_string(PersistentDecodeLayout<PagedAttentionTraits<128, true, 1, 8>>::kSmemBytes /
                        1024) +
         " KB of shared memory per block, and no other decode form (got " +
@@ -274,6 +274,7 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, cudaStream_t s
   args.eight_warp_blocks = params.eight_warp_blocks;
   args.persistent_blocks = params.persistent_blocks;
   args.claim_counter = params.persistent_claim_counter;
+  args.early_start = params.persistent_early_start;
   args.scale_log2 = params.scale * 1.4426950408889634f;
   if (params.persistent_blocks > 0) {
     if (params.dtype == ScalarType::kBFloat16)

@@ -21,6 +21,7 @@ struct PagedKernelArgs {
   bool eight_warp_blocks;          // decode, 1 split: one block of 8 warps per row tile
   int persistent_blocks;           // decode, 1 split: > 0, the persistent kernel's grid
   int* claim_counter;              // persistent decode: items claimed beyond the grid's first
+  bool early_start;                // persistent decode: a dependent launch of the counter's reset
   float* partial_out;              // [num_splits, T, Hq, D] fp32 when num_splits > 1
   float* partial_lse;              // [num_splits, T, Hq] fp32 (log2 domain)
   float scale_log2;                // scale * log2(e): softmax runs on exp2

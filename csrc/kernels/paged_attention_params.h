@@ -101,7 +101,10 @@ struct PagedDecodeParams : PagedAttentionParams {
   bool merge_in_block_pairs;  // only where paged_decode_can_merge_in_block_pairs(...)
   bool eight_warp_blocks;     // only where paged_decode_can_run_eight_warp_blocks(...)
   int persistent_blocks;      // > 0: the persistent decode's grid (paged_decode_can_run_persistent)
-  int* persistent_claim_counter;  // persistent decode: one int, zero at launch (items claimed)
+  int* persistent_claim_counter;  // persistent decode: one int, zeroed by the launch (claims)
+  // Persistent decode on sm_90: the decode is a programmatic dependent launch of the counter's
+  // reset, so its blocks start while the reset runs (paged_decode_persistent_kernel.cuh).
+  bool persistent_early_start;
   float* workspace;  // paged_decode_workspace_floats() floats, or null when none are needed
 };
 

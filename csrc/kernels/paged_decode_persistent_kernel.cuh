@@ -30,6 +30,12 @@
 // length copied, a step after its atomic, and has landed two steps later, when the ids cursor
 // needs it; where items are shorter than 3 tiles the cursor waits for it. One split; the grid is
 // the SM count (at most the item count).
+//
+// The counter is zeroed by a one-thread kernel launched just before. On sm_90 the decode is that
+// kernel's programmatic dependent launch (early_start): its blocks are scheduled as soon as the
+// reset starts, read their first items' lengths, page ids, queries and tiles (all written before
+// the reset was launched), and wait for the reset to complete only before their first claim.
+// The decode then starts as if the reset were not there; a plain launch waits for the reset's end.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,6 +53,13 @@
 #include "paged_kv_tile_loader.cuh"
 
 namespace astrai::kernels {
+
+// Zeroes the persistent decode's claim counter and lets the decode start at once (a no-op for a
+// plain launch).
+static __global__ void persistent_claim_counter_reset_kernel(int* counter) {
+  allow_dependent_launch();
+  *counter = 0;
+}
 
 // A position in the block's stream of tiles: tile t of the block's item k, which has `tiles`.
 struct ItemTileCursor {
@@ -124,8 +137,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   int claim_result = 0;         // thread 0: the counter's value returned by the atomic
   bool claim_pending = false;   // an atomic issued, its item not yet stored
   int store_step = -(1 << 30);  // step whose copies carry the last stored item's length
+  bool counter_zeroed = false;  // thread 0: the reset kernel has completed (early_start)
   auto claim_next = [&] {
-    if (tid == 0) claim_result = atomicAdd(args.claim_counter, 1);
+    if (tid == 0) {
+      if (!counter_zeroed) {
+        wait_for_prerequisite_grid();
+        counter_zeroed = true;
+      }
+      claim_result = atomicAdd(args.claim_counter, 1);
+    }
     claim_pending = true;
   };
   auto store_claim = [&](int k, int step) {
@@ -319,7 +339,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);    \
     if (error != cudaSuccess)                                                                     \
       return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};                 \
-    kernel<<<args.persistent_blocks, Traits::kThreads, kSmemBytes, stream>>>(args);               \
+    persistent_claim_counter_reset_kernel<<<1, 1, 0, stream>>>(args.claim_counter);               \
+    const LaunchStatus reset = status_after_launch("persistent_claim_counter_reset_kernel");      \
+    if (!reset.ok()) return reset;                                                                \
+    cudaLaunchConfig_t config = {};                                                               \
+    config.gridDim = dim3(static_cast<unsigned>(args.persistent_blocks));                         \
+    config.blockDim = dim3(Traits::kThreads);                                                     \
+    config.dynamicSmemBytes = kSmemBytes;                                                         \
+    config.stream = stream;                                                                       \
+    cudaLaunchAttribute attribute[1];                                                             \
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;                         \
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;                                  \
+    if (args.early_start && current_device_is_sm90_or_newer()) {                                  \
+      config.attrs = attribute;                                                                   \
+      config.numAttrs = 1;                                                                        \
+    }                                                                                             \
+    const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, args);                       \
+    if (launched != cudaSuccess)                                                                  \
+      return {std::string("paged_decode_persistent_kernel: ") + cudaGetErrorString(launched)};    \
     return status_after_launch("paged_decode_persistent_kernel");                                 \
   }
 

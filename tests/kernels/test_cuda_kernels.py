@@ -226,7 +226,8 @@ def test_decode_long_sequence_uses_splits(dtype):
 # "cluster" (block pairs off) and "kernel" (the workspace and the merge kernel). "eight": one split
 # forced runs as eight-warp blocks (D = 128, where the block fits), and they replace the block
 # pairs at any length. "persistent": one split forced runs the persistent decode (D = 128) on 3
-# blocks, so that each block takes several items.
+# blocks, so that each block takes several items; "persistent_plain" the same, launched after its
+# claim counter's reset instead of as the reset's dependent launch.
 MERGE_SWITCHES = {
     "auto": {},
     "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1", "ASTR_DECODE_EIGHT_WARPS": "0"},
@@ -234,6 +235,11 @@ MERGE_SWITCHES = {
     "kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
     "eight": {"ASTR_DECODE_EIGHT_WARPS": "1"},
     "persistent": {"ASTR_DECODE_PERSISTENT": "1", "ASTR_DECODE_PERSISTENT_BLOCKS": "3"},
+    "persistent_plain": {
+        "ASTR_DECODE_PERSISTENT": "1",
+        "ASTR_DECODE_PERSISTENT_BLOCKS": "3",
+        "ASTR_DECODE_EARLY_START": "0",
+    },
 }
 SWITCH_NAMES = (
     "ASTR_DECODE_BLOCK_PAIRS",
@@ -241,6 +247,7 @@ SWITCH_NAMES = (
     "ASTR_DECODE_EIGHT_WARPS",
     "ASTR_DECODE_PERSISTENT",
     "ASTR_DECODE_PERSISTENT_BLOCKS",
+    "ASTR_DECODE_EARLY_START",
 )
 
 
@@ -255,6 +262,7 @@ SPLITS_AND_MERGES = [
     (1, "auto"),
     (1, "eight"),
     (1, "persistent"),
+    (1, "persistent_plain"),
     (2, "pairs"),
     (2, "cluster"),
     (2, "kernel"),
@@ -575,12 +583,17 @@ def test_decode_persistent_blocks_match_reference(dtype, page_size, group, block
 
 
 @needs_persistent_block
+@pytest.mark.parametrize("start", ["early", "plain"])
 @pytest.mark.parametrize("blocks", [2, 5, 132])
-def test_decode_persistent_blocks_ragged_batch_covers_every_item(blocks, monkeypatch):
+def test_decode_persistent_blocks_ragged_batch_covers_every_item(blocks, start, monkeypatch):
     """A ragged batch of 61 sequences (lengths 1 to 6000, a run of one-tile ones) over 2, 5 or 132
     blocks: every item is claimed once and written (poisoned output, NaN otherwise), whatever the
-    order in which the blocks claim them."""
+    order in which the blocks claim them. Three calls in a row, each on a counter that its launch
+    zeroes (the caching allocator tends to hand out the last call's, which holds its count), the
+    decode started before the reset ends ("early", sm_90) or after it ("plain")."""
     force_persistent_decode(monkeypatch, blocks)
+    if start == "plain":
+        monkeypatch.setenv("ASTR_DECODE_EARLY_START", "0")
     g = torch.Generator(device="cuda").manual_seed(59 + blocks)
     lens = torch.randint(1, 6000, (61,), generator=g, device="cuda").tolist()
     lens[10:20] = [1, 2, 128, 1, 5, 128, 1, 1, 64, 3]
@@ -670,6 +683,7 @@ def test_decode_eight_warp_blocks_replace_pairs_up_to_16384_positions(monkeypatc
         (None, "auto"),
         (1, "eight"),
         (1, "persistent"),
+        (1, "persistent_plain"),
         (2, "pairs"),
         (2, "cluster"),
         (2, "kernel"),
