@@ -1,15 +1,21 @@
 """Decode diagnostics for the cuda backend (a measurement run on the GPU, not part of the bench).
 
     python3 benchmarks/decode_kernel_times.py [--layouts NHD,HND] [--orders shuffled,inorder]
-                                              [--shapes 1x32768,16x4096]
+                                              [--shapes 1x32768,16x4096,32x4096x32]
 
-For each shape (bf16, Hq=32, Hkv=8, D=128, page 16) and each pool layout / page order:
+For each shape (BxL or BxLxHkv; bf16, Hq=32, Hkv=8 unless given, D=128, page 16) and each pool
+layout / page order:
   - NHD: pool [P, S, Hkv, D] (a slot holds every head); HND: pool [P, Hkv, S, D] (a page holds
-    each head's rows together), passed to the op as its [P, S, Hkv, D] transposed view;
-  - shuffled: pages handed out in a random order; inorder: consecutive pages;
+    each head's rows together), passed to the op as its [P, S, Hkv, D] transposed view; KV_NHD:
+    one pool [P, 2, S, Hkv, D] (a page's K and V side by side), passed as its two halves;
+  - page orders: shuffled (pages handed out in a random order), inorder (each sequence's pages
+    consecutive), interleaved (page j of sequence b at j * B + b: what a pool gives sequences
+    that grow together a page at a time), window (shuffled inside aligned windows of 64 pages,
+    the windows in order), chunks (runs of 64 consecutive pages, the runs in a random order);
 the time of one decode call with bench_attention.py's timer (L2 flushed before every run, CUDA
-events, median), its TB/s, the error against torch_native, and for the first layout the device
-time of each kernel (torch profiler, median of 10 flushed calls). Then SDPA cuDNN on a contiguous
+events, median), its TB/s, the error against torch_native, and the device time of each kernel
+(torch profiler, median of 10 flushed calls; with --kernel-times first, for the first layout
+and order only). Then SDPA cuDNN on a contiguous
 [B, Hkv, L, D] cache for scale (this call passes q as [B, Hq, 1, D] with enable_gqa, unlike
 bench_attention.py, and varied by +-20% between runs at B=1: use bench_attention.py for the
 comparison)."""
@@ -27,25 +33,52 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_attention as bench  # noqa: E402
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, D, PAGE = 32, 128, 16
+WINDOW = 64  # pages: 64 x 16 slots x 8 heads x 128 x 2 bytes = 2 MiB of K at Hkv = 8
+
+
+def page_order(order: str, batch: int, pages: int) -> torch.Tensor:
+    """Pool page of each (sequence, page) in row-major order, as a flat permutation."""
+    if order == "shuffled":
+        return torch.randperm(pages, device="cuda")
+    if order == "inorder":
+        return torch.arange(pages, device="cuda")
+    if order == "interleaved":
+        return torch.arange(pages, device="cuda").view(-1, batch).t().reshape(-1)
+    if order in ("window", "chunks"):
+        assert pages % WINDOW == 0, f"{pages} pages are not whole windows of {WINDOW}"
+        windows = pages // WINDOW
+        if order == "window":
+            inside = torch.argsort(torch.rand(windows, WINDOW, device="cuda"), dim=1)
+            base = torch.arange(windows, device="cuda").unsqueeze(1) * WINDOW
+        else:
+            inside = torch.arange(WINDOW, device="cuda").expand(windows, WINDOW)
+            base = torch.randperm(windows, device="cuda").unsqueeze(1) * WINDOW
+        return (base + inside).reshape(-1)
+    raise ValueError(f"--orders: unknown page order {order!r}")
 
 
 def paged_inputs(k, v, batch, length, layout, order):
     pages = batch * length // PAGE
-    perm = (
-        torch.randperm(pages, device="cuda")
-        if order == "shuffled"
-        else torch.arange(pages, device="cuda")
-    )
+    hkv = k.shape[1]
+    perm = page_order(order, batch, pages)
     caches = []
+    if layout == "KV_NHD":
+        # One pool, a page's K and V side by side ([P, 2, S, Hkv, D], as FlashInfer lays it out).
+        pool = torch.empty(pages, 2, PAGE, hkv, D, dtype=k.dtype, device="cuda")
+        caches = [pool[:, 0], pool[:, 1]]
     for tokens in (k, v):
+        if layout == "KV_NHD":
+            view = caches[0 if tokens is k else 1]
+            view[perm.view(batch, -1)] = tokens.view(batch, -1, PAGE, hkv, D)
+            continue
         if layout == "NHD":
-            view = torch.empty(pages, PAGE, HKV, D, dtype=tokens.dtype, device="cuda")
+            view = torch.empty(pages, PAGE, hkv, D, dtype=tokens.dtype, device="cuda")
         else:
-            view = torch.empty(pages, HKV, PAGE, D, dtype=tokens.dtype, device="cuda").transpose(
+            view = torch.empty(pages, hkv, PAGE, D, dtype=tokens.dtype, device="cuda").transpose(
                 1, 2
             )
-        view[perm.view(batch, -1)] = tokens.view(batch, -1, PAGE, HKV, D)
+        view[perm.view(batch, -1)] = tokens.view(batch, -1, PAGE, hkv, D)
         caches.append(view)
     return dict(
         k_cache=caches[0],
@@ -73,9 +106,9 @@ def kernel_times(call, timer) -> str:
 
 
 def sdpa_cudnn_us(q, k, v, timer) -> float:
-    batch, length = q.shape[0], k.shape[0] // q.shape[0]
-    kc = k.view(batch, length, HKV, D).transpose(1, 2).contiguous()
-    vc = v.view(batch, length, HKV, D).transpose(1, 2).contiguous()
+    batch, length, hkv = q.shape[0], k.shape[0] // q.shape[0], k.shape[1]
+    kc = k.view(batch, length, hkv, D).transpose(1, 2).contiguous()
+    vc = v.view(batch, length, hkv, D).transpose(1, 2).contiguous()
     qs = q.view(batch, HQ, 1, D)
 
     def sdpa():
@@ -90,16 +123,19 @@ def main() -> None:
     parser.add_argument("--layouts", default="NHD,HND")
     parser.add_argument("--orders", default="shuffled,inorder")
     parser.add_argument("--shapes", default="1x32768,16x2048,16x4096,64x4096")
+    parser.add_argument(
+        "--kernel-times", default="all", choices=("all", "first"), help="which runs get profiled"
+    )
     args = parser.parse_args()
     import astrai.extension  # noqa: F401  (loads the library)
 
     torch.manual_seed(0)
     timer = bench.Timer(warmup=3, repeats=20)
     for shape in args.shapes.split(","):
-        batch, length = (int(x) for x in shape.split("x"))
-        nbytes = bench.decode_bytes(batch, length, HQ, HKV, D)
+        batch, length, hkv = ([int(x) for x in shape.split("x")] + [8])[:3]
+        nbytes = bench.decode_bytes(batch, length, HQ, hkv, D)
         q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(batch * length, HKV, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(batch * length, hkv, D, dtype=torch.bfloat16, device="cuda")
         v = torch.randn_like(k)
         first = True
         for layout in args.layouts.split(","):
@@ -117,7 +153,7 @@ def main() -> None:
                     f"B={batch} L={length} {layout} {order}: {ms * 1e3:.1f} us "
                     f"{nbytes / (ms * 1e-3) / 1e12:.2f} TB/s, rel L2 vs torch_native {err:.1e}"
                 )
-                if first:
+                if first or args.kernel_times == "all":
                     line += " | " + kernel_times(call, timer)
                     first = False
                 print(line, flush=True)
