@@ -32,9 +32,8 @@ namespace {
 // ASTR_DECODE_PERSISTENT_BLOCKS=n gives it a grid of n blocks (at most the item count) instead of
 // one per SM (tests: several items per block on small batches), ASTR_DECODE_EARLY_START=0 launches
 // the persistent decode after its counter's reset instead of as its dependent launch,
-// ASTR_PREFILL_WGMMA=0
-// keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that runs, whatever the
-// head dim pays (all read on every call). Otherwise one branch on a static.
+// ASTR_PREFILL_WGMMA=0 keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that
+// runs, whatever the head dim pays (all read on every call). Otherwise one branch on a static.
 bool kernel_tuning() {
   static const bool tuning = std::getenv("ASTR_TUNE_KERNELS") != nullptr;
   return tuning;

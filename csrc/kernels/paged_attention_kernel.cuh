@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "decode_timeline.cuh"
+#include "dependent_launch.cuh"
 #include "device_primitives.cuh"
 #include "launch.h"
 #include "online_softmax.cuh"
@@ -386,20 +387,9 @@ LaunchStatus launch_paged_attention(const PagedKernelArgs& args, int grid_rows,
   // On sm_90 the merge is a programmatic dependent launch: its blocks are scheduled while the
   // attention kernel's last blocks run and wait in griddepcontrol.wait, which removes the launch
   // gap between the two kernels (also inside a captured CUDA graph). Elsewhere a plain launch.
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(rows));
-  config.blockDim = dim3(kMergeThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  if (current_device_is_sm90_or_newer()) {
-    config.attrs = attribute;
-    config.numAttrs = 1;
-  }
-  const cudaError_t launched =
-      cudaLaunchKernelEx(&config, paged_decode_merge_kernel<T, Traits::kHeadDim>, args);
+  const cudaError_t launched = launch_maybe_dependent(
+      paged_decode_merge_kernel<T, Traits::kHeadDim>, dim3(static_cast<unsigned>(rows)),
+      dim3(kMergeThreads), 0, stream, current_device_is_sm90_or_newer(), args);
   if (launched != cudaSuccess)
     return {std::string("paged_decode_merge_kernel: ") + cudaGetErrorString(launched)};
   return status_after_launch("paged_decode_merge_kernel");

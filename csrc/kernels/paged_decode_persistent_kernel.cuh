@@ -43,6 +43,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "dependent_launch.cuh"
 #include "device_primitives.cuh"
 #include "launch.h"
 #include "paged_attention_instantiations.h"
@@ -342,19 +343,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     persistent_claim_counter_reset_kernel<<<1, 1, 0, stream>>>(args.claim_counter);               \
     const LaunchStatus reset = status_after_launch("persistent_claim_counter_reset_kernel");      \
     if (!reset.ok()) return reset;                                                                \
-    cudaLaunchConfig_t config = {};                                                               \
-    config.gridDim = dim3(static_cast<unsigned>(args.persistent_blocks));                         \
-    config.blockDim = dim3(Traits::kThreads);                                                     \
-    config.dynamicSmemBytes = kSmemBytes;                                                         \
-    config.stream = stream;                                                                       \
-    cudaLaunchAttribute attribute[1];                                                             \
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;                         \
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;                                  \
-    if (args.early_start && current_device_is_sm90_or_newer()) {                                  \
-      config.attrs = attribute;                                                                   \
-      config.numAttrs = 1;                                                                        \
-    }                                                                                             \
-    const cudaError_t launched = cudaLaunchKernelEx(&config, kernel, args);                       \
+    const cudaError_t launched = launch_maybe_dependent(                                          \
+        kernel, dim3(static_cast<unsigned>(args.persistent_blocks)), dim3(Traits::kThreads),      \
+        kSmemBytes, stream, args.early_start && current_device_is_sm90_or_newer(), args);         \
     if (launched != cudaSuccess)                                                                  \
       return {std::string("paged_decode_persistent_kernel: ") + cudaGetErrorString(launched)};    \
     return status_after_launch("paged_decode_persistent_kernel");                                 \
