@@ -258,8 +258,8 @@ def set_merge(monkeypatch, merge):
         monkeypatch.setenv(name, value)
 
 
-SPLITS_AND_MERGES = [
-    (1, "auto"),
+# Every decode form that a forced split count and switches select (MERGE_SWITCHES).
+FORCED_DECODE_FORMS = [
     (1, "eight"),
     (1, "persistent"),
     (1, "persistent_plain"),
@@ -267,6 +267,7 @@ SPLITS_AND_MERGES = [
     (2, "cluster"),
     (2, "kernel"),
 ]
+SPLITS_AND_MERGES = [(1, "auto"), *FORCED_DECODE_FORMS]
 SPLITS_AND_MERGES += [(n, "auto") for n in (3, 5, 8, 9, 32)]
 
 
@@ -677,19 +678,7 @@ def test_decode_eight_warp_blocks_replace_pairs_up_to_16384_positions(monkeypatc
         assert_close(run_decode(batch), ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize(
-    "splits,merge",
-    [
-        (None, "auto"),
-        (1, "eight"),
-        (1, "persistent"),
-        (1, "persistent_plain"),
-        (2, "pairs"),
-        (2, "cluster"),
-        (2, "kernel"),
-        (24, "auto"),
-    ],
-)
+@pytest.mark.parametrize("splits,merge", [(None, "auto"), *FORCED_DECODE_FORMS, (24, "auto")])
 def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, monkeypatch):
     """Capture one decode step, then replay it as the sequences grow: the split count and the
     workspace come from shapes, the per-split chunk from the seq_lens read on the device. With the
