@@ -8,6 +8,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include "attention_args.h"
@@ -56,6 +57,8 @@ const Decision& decide(const CallDescription& call, const std::optional<c10::str
     ASTR_CHECK_VALUE(text.empty() || source == "context" || source == "environment",
                      "selection: expected \"context:NAME\", \"environment:NAME\" or \"\", got \"",
                      text, "\"");
+    ASTR_CHECK_VALUE(text.empty() || dispatch::parse_backend(name).has_value(), "selection: \"",
+                     text, "\" names no backend (valid: ", dispatch::valid_backend_names(), ")");
     context = source == "context" ? std::optional<std::string>(name) : std::nullopt;
     environment = source == "environment" ? name : std::string();
   }
@@ -111,24 +114,15 @@ std::string describe_state(const std::string& state) {
 
 }  // namespace
 
-at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                     const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
-                     bool is_causal, std::optional<double> scale,
-                     const std::optional<at::Tensor>& k_cache,
-                     const std::optional<at::Tensor>& v_cache,
-                     const std::optional<at::Tensor>& block_table,
-                     const std::optional<at::Tensor>& seq_lens,
-                     const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-                     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
-                     std::optional<c10::string_view> selection) {
-  AttentionArgs args{
-      q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
-      v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
+namespace {
+
+AttentionResult run_attention(const AttentionArgs& args, std::optional<c10::string_view> backend,
+                              std::optional<c10::string_view> selection) {
   const CallDescription call = validate_and_describe(args);
   const Decision& decision = decide(call, backend, selection);
   ASTR_CHECK(decision.chosen.has_value(), decision.error);
   report_fallback(decision, call);
-  if (!backend && !selection && is_traced(q)) record_trace_state(q);
+  if (!backend && !selection && is_traced(args.q)) record_trace_state(args.q);
   switch (*decision.chosen) {
     case Backend::kCuda:
       return cuda_paged(args);
@@ -140,18 +134,104 @@ at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
   ASTR_CHECK(false, "unreachable backend");
 }
 
-std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                    const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
-                    bool is_causal, std::optional<double> scale,
-                    const std::optional<at::Tensor>& k_cache,
-                    const std::optional<at::Tensor>& v_cache,
-                    const std::optional<at::Tensor>& block_table,
-                    const std::optional<at::Tensor>& seq_lens,
-                    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-                    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
-  AttentionArgs args{
-      q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
-      v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
+}  // namespace
+
+at::Tensor attention(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  AttentionArgs args{q,
+                     k,
+                     v,
+                     attn_mask,
+                     is_causal,
+                     scale,
+                     k_cache,
+                     v_cache,
+                     block_table,
+                     seq_lens,
+                     query_start_loc,
+                     max_query_len,
+                     parse_mode(mode),
+                     window_left,
+                     softcap,
+                     sinks,
+                     false,
+                     k_scale,
+                     v_scale};
+  return std::get<0>(run_attention(args, backend, selection));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_lse(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, bool return_lse) {
+  ASTR_CHECK_VALUE(return_lse,
+                   "return_lse: attention.lse returns (out, lse); call attention without "
+                   "return_lse for out alone");
+  AttentionArgs args{q,
+                     k,
+                     v,
+                     attn_mask,
+                     is_causal,
+                     scale,
+                     k_cache,
+                     v_cache,
+                     block_table,
+                     seq_lens,
+                     query_start_loc,
+                     max_query_len,
+                     parse_mode(mode),
+                     window_left,
+                     softcap,
+                     sinks,
+                     true,
+                     k_scale,
+                     v_scale};
+  return run_attention(args, backend, selection);
+}
+
+std::string explain(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    int64_t window_left, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+    bool return_lse, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  AttentionArgs args{q,
+                     k,
+                     v,
+                     attn_mask,
+                     is_causal,
+                     scale,
+                     k_cache,
+                     v_cache,
+                     block_table,
+                     seq_lens,
+                     query_start_loc,
+                     max_query_len,
+                     parse_mode(mode),
+                     window_left,
+                     softcap,
+                     sinks,
+                     return_lse,
+                     k_scale,
+                     v_scale};
   return decide(validate_and_describe(args), backend).to_json();
 }
 

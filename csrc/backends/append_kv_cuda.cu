@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "../check.h"
-#include "../kernels/launch.h"
+#include "../kernels/append_kv/append_kv.h"
 
 namespace astrai::backends {
 namespace {

@@ -46,6 +46,11 @@ class AttentionBackend:
     def available(cls) -> bool:
         return True
 
+    @classmethod
+    def status_reason(cls) -> str:
+        """Why the backend is unavailable, or a short note on what it runs (``info`` shows it)."""
+        return ""
+
     def supports_call(self, q, kv_cache, attn_mask, is_causal, fwd) -> bool:
         return True
 

@@ -1,15 +1,16 @@
-// Paged prefill on Hopper's warpgroup multiply (wgmma, sm_90a) and its launcher. Included only by
-// paged_prefill_wgmma_hdim*.cu; the host picks it over paged_attention_kernel.cuh's mma.sync
-// prefill on sm_90 when the library was built for sm_90a (paged_attention_dispatch.cu).
+// Paged prefill on Hopper's warpgroup multiply (wgmma, sm_90a) and its launcher. The plan picks it
+// over prefill_kernel.cuh's mma.sync prefill on sm_90 when the library was built for sm_90a and
+// the head dim compiles it (config.h, plan.h).
 //
-// Same work split and semantics as the mma.sync prefill (paged_attention_traits.h): a block owns
+// Same work split and semantics as the mma.sync prefill (traits.h, variant.cuh): a block owns
 // kBlockRows packed query rows (new token, q head of the GQA group) of one (sequence, kv head) and
 // walks its kv tiles (causal tiles past the block's last token skipped) with the online softmax of
 // FlashAttention-2. What changes is the multiply: two warpgroups of 4 warps each own 64 rows, and
 // S = Q K^T takes Q and K straight from shared memory (no ldmatrix, no shared-memory traffic
 // through registers), O += P V takes P from the S accumulators (registers) and V from shared
 // memory. Q, K and V tiles are in the 128-byte swizzled layout the descriptors describe
-// (wgmma_primitives.cuh); K/V come in through the same paged cp.async loader as the other kernels.
+// (common/wgmma_primitives.cuh); K/V come in through the same paged cp.async loader as the other
+// kernels.
 //
 // The multiplies run asynchronously, so the loop is a software pipeline: the scores of tile t + 1
 // are multiplied while the threads run the softmax of tile t, then O += P V of tile t (3 stages:
@@ -26,14 +27,15 @@
 #include <cstdint>
 #include <string>
 
-#include "device_primitives.cuh"
-#include "launch.h"
-#include "online_softmax.cuh"
-#include "paged_attention_instantiations.h"
-#include "paged_attention_params.h"
-#include "paged_attention_rows.cuh"
-#include "paged_kv_tile_loader.cuh"
-#include "wgmma_primitives.cuh"
+#include "../common/device_primitives.cuh"
+#include "../common/launch_status.h"
+#include "../common/online_softmax.cuh"
+#include "../common/wgmma_primitives.cuh"
+#include "instantiations.h"
+#include "kv_tile_loader.cuh"
+#include "params.h"
+#include "query_rows.cuh"
+#include "variant.cuh"
 
 namespace astrai::kernels {
 
@@ -49,14 +51,16 @@ struct PrefillWgmmaTraits {
   // wider tiles to carry each tile's fixed work (the barrier, the copies' issue).
   static constexpr int kTileN = kHeadDim == 64 ? 128 : 96;
   static constexpr int kStages = 3;  // tile t in use, t + 1 landed, t + 2 in flight
-  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kElementBytes = 2;
+  static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
   static constexpr bool kWgmmaTiles = true;
   static constexpr bool kPageIdRing = false;  // page ids into registers (paged_kv_tile_loader.cuh)
   static constexpr int kPageIdSlots = 0;
   static constexpr int kTileElements = kTileN * kHeadDim;
   static constexpr int kQElements = kBlockRows * kHeadDim;
   // + 1024: the tiles start on the first 1024-byte boundary of the dynamic shared memory.
-  static constexpr int kSmemBytes = (kQElements + 2 * kStages * kTileElements) * 2 + 1024;
+  static constexpr int kSmemBytes =
+      (kQElements + 2 * kStages * kTileElements) * kElementBytes + 1024;
   static_assert(kHeadDim % 64 == 0, "column blocks of 64 elements");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
@@ -84,28 +88,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int warpgroup = warp / 4;
-  const int seq = blockIdx.x / p.num_kv_heads;
+  const int seq_index = blockIdx.x / p.num_kv_heads;
   const int kv_head = blockIdx.x % p.num_kv_heads;
-  const int group = p.num_q_heads / p.num_kv_heads;
   const int row_tile = gridDim.y - 1 - blockIdx.y;  // heavy (late, causal) row tiles first
 
-  const int seq_len = p.seq_lens[seq];
-  const int q_start = args.query_start_loc[seq];
-  const int q_len = args.query_start_loc[seq + 1] - q_start;
-  const int num_rows = q_len * group;
+  const SequenceRows seq = prefill_sequence(p, args.query_start_loc, seq_index, args.max_query_len);
+  const int group = seq.group;
+  const int num_rows = seq.num_rows;
+  const int q_start = seq.q_start;
   const int row0 = row_tile * kBlockRows;
   if (row0 >= num_rows) return;
-  const int first_pos = seq_len - q_len;  // kv position of new token 0
 
-  const int kv_end = block_kv_end(p, seq_len, first_pos, row0, kBlockRows, num_rows, group);
-  const int num_tiles = kv_end > 0 ? (kv_end + kTileN - 1) / kTileN : 0;
+  // Tiles from the one holding the first visible position to the range's end.
+  const KvRange range = block_kv_range(p, seq, row0, kBlockRows);
+  const UnmaskedTiles unmasked = unmasked_tiles(p, seq, range, row0, kBlockRows);
+  const int kv_begin = range.begin / kTileN * kTileN;
+  const int num_tiles = range.end > kv_begin ? (range.end - kv_begin + kTileN - 1) / kTileN : 0;
 
   // ---- global -> shared copies -------------------------------------------------------------
-  KVTileSource source = kv_tile_source<T>(p, seq, kv_head);
-  source.kv_begin = 0;
-  source.kv_end = kv_end;
+  KVTileSource source = kv_tile_source<T>(p, seq_index, kv_head);
+  source.kv_begin = kv_begin;
+  source.kv_end = range.end;
   source.tile_step = kTileN;
-  source.lookup_end = kv_end;
+  source.lookup_end = range.end;
   KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
 
   // ---- per-thread state: rows 16 * warp + lane / 4 (+ 8) of the block -------------------------
@@ -130,10 +135,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     loader.commit();
   }
 
-  const float scale_log2 = args.scale_log2;
-  const bool fold_scale = scale_log2 > 0.f;  // as in paged_attention_kernel.cuh
-  const float exp_scale = fold_scale ? scale_log2 : 1.f;
-  const bool* mask = p.attn_mask;
+  const ScoreTransform transform = score_transform(p, args.scale_log2);
   // This warpgroup's 64 rows of the Q tile: 64 rows x 128 bytes into each column block.
   const uint32_t q_rows = shared_address(q_smem) + warpgroup * 64 * 128;
 
@@ -182,18 +184,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       issue_scores(s_next, (tile + 1) % kStages);
     }
 
-    const int pos0 = tile * kTileN;
-    if (!fold_scale) {
-#pragma unroll
-      for (int i = 0; i < kTileN / 2; ++i) s_acc[i] *= scale_log2;
-    }
-    const bool needs_mask = mask != nullptr || pos0 + kTileN > kv_end ||
-                            (p.is_causal && pos0 + kTileN - 1 > first_pos + row0 / group);
-    if (needs_mask) {
+    const int pos0 = kv_begin + tile * kTileN;
+    transform_scores<kTileN / 2>(transform, [&](int i) -> float& { return s_acc[i]; });
+    if (unmasked.need_mask(pos0, kTileN)) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const RowVisibility seen = row_visibility(p, row0 + warp * 16 + lane_row + half * 8,
-                                                  num_rows, group, q_start, first_pos, kv_end);
+        const RowVisibility seen =
+            row_visibility(p, seq, range, row0 + warp * 16 + lane_row + half * 8);
 #pragma unroll
         for (int nt = 0; nt < kTileN / 8; ++nt) {
 #pragma unroll
@@ -211,7 +208,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       alpha[half] = online_softmax_row<kTileN / 8>(
           [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
-          row_sum[half], exp_scale);
+          row_sum[half], transform.exp_scale);
     }
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
@@ -254,6 +251,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     s += __shfl_xor_sync(0xffffffffu, s, 2);
     row_sum[half] = s;
   }
+  // Every warpgroup read every tile: a page outside the pool poisons all of the block's rows.
+  const bool poisoned = __syncthreads_or(loader.poisoned) || seq.poisoned;
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -261,38 +260,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (row >= num_rows) continue;
     const int token = q_start + row / group;
     const int head = kv_head * group + row % group;
-    const float inv = row_sum[half] > 0.f ? 1.f / row_sum[half] : 0.f;
+    const FinishedRow finished =
+        finish_row(row_max[half] * transform.exp_scale, poison_sum(row_sum[half], poisoned),
+                   sink_log2(p, head));
+    const float inv = finished.inv;
     T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
       *reinterpret_cast<uint32_t*>(dst + dt * 8) =
           pack_pair<T>(o_acc[dt * 4 + half * 2] * inv, o_acc[dt * 4 + half * 2 + 1] * inv);
+    if (lane_col == 0) store_lse(p, token, head, finished.lse_log2);
   }
 #else
-  __trap();  // built without sm_90a: the host never launches this (paged_prefill_wgmma_built)
+  __trap();  // built without sm_90a: the plan never chooses this (plan_paged_prefill)
 #endif
 }
 
-template <int D, typename T>
-LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, int grid_rows,
-                                     cudaStream_t stream) {
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillWgmmaTraits<D>;
   auto kernel = paged_prefill_wgmma_kernel<Traits, T>;
+  const int group = args.base.num_q_heads / args.base.num_kv_heads;
+  const int64_t rows = (int64_t)args.max_query_len * group;
+  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
   dim3 grid;
-  const LaunchStatus prepared = prepare_row_tile_launch(kernel, Traits::kSmemBytes, args.base,
-                                                        grid_rows, Traits::kBlockRows, 1, &grid);
+  const LaunchStatus prepared = prepare_row_tile_launch(
+      kernel, Traits::kSmemBytes, args.base, static_cast<int>(rows), Traits::kBlockRows, 1, &grid);
   if (!prepared.ok()) return prepared;
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess)
-    return {std::string("paged_prefill_wgmma_kernel: ") + cudaGetErrorString(launched)};
-  return {};
+  return status_after_launch("paged_prefill_wgmma_kernel");
 }
-
-#define ASTRAI_INSTANTIATE_PAGED_PREFILL_WGMMA(D)                                              \
-  template LaunchStatus run_paged_prefill_wgmma<D, __nv_bfloat16>(const PagedKernelArgs&, int, \
-                                                                  cudaStream_t);               \
-  template LaunchStatus run_paged_prefill_wgmma<D, __half>(const PagedKernelArgs&, int,        \
-                                                           cudaStream_t);
 
 }  // namespace astrai::kernels

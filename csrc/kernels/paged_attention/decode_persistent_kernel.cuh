@@ -6,7 +6,7 @@
 // sequence's K/V at the rate of the best bare read of a shuffled page pool, but a grid of more
 // than one wave of such blocks loses ~4% to block starts and ends: each block waits for its page
 // ids, query and first tile before its stream starts, and drains its pipeline before its epilogue
-// (benchmarks/NOTES.md, "Where the remaining gap is"). Here the block's tiles form one stream over
+// (lab/NOTES.md, "Where the remaining gap is"). Here the block's tiles form one stream over
 // all of its items: virtual tile g is tile t of item k, in stage g % kStages and page-id ring slot
 // g % kPageIdSlots, and three cursors walk it:
 //
@@ -26,7 +26,7 @@
 // one-item blocks would start them, and a block on a slow SM or with long sequences takes fewer.
 // A fixed share per block (b, b + grid, ...) ran ragged batches 3-13% slower than the 4-warp
 // blocks the hardware hands out, and claiming a whole item ahead 3-9% slower; this form is 3-11%
-// faster (results/decode_persistent_NVIDIA-H200_2026-12-03.md). A claim is stored, and its
+// faster (lab/results/decode_persistent_NVIDIA-H200_2026-12-03.md). A claim is stored, and its
 // length copied, a step after its atomic, and has landed two steps later, when the ids cursor
 // needs it; where items are shorter than 3 tiles the cursor waits for it. One split; the grid is
 // the SM count (at most the item count).
@@ -43,15 +43,16 @@
 #include <cmath>
 #include <cstdint>
 
-#include "dependent_launch.cuh"
-#include "device_primitives.cuh"
-#include "launch.h"
-#include "paged_attention_instantiations.h"
-#include "paged_attention_params.h"
-#include "paged_attention_rows.cuh"
-#include "paged_attention_tile_math.cuh"
-#include "paged_attention_traits.h"
-#include "paged_kv_tile_loader.cuh"
+#include "../common/dependent_launch.cuh"
+#include "../common/device_primitives.cuh"
+#include "../common/launch_status.h"
+#include "instantiations.h"
+#include "kv_tile_loader.cuh"
+#include "params.h"
+#include "query_rows.cuh"
+#include "tile_math.cuh"
+#include "traits.h"
+#include "variant.cuh"
 
 namespace astrai::kernels {
 
@@ -62,9 +63,10 @@ static __global__ void persistent_claim_counter_reset_kernel(int* counter) {
   *counter = 0;
 }
 
-// A position in the block's stream of tiles: tile t of the block's item k, which has `tiles`.
+// A position in the block's stream of tiles: tile t of the block's item k, which has `tiles`
+// starting at the item's tile `base` of its sequence (the window's first: variant.cuh).
 struct ItemTileCursor {
-  int k, t, tiles;
+  int k, t, tiles, base;
 };
 
 template <typename Traits, typename T>
@@ -105,12 +107,22 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto seq_of = [&](int k) { return item_of(k) / seq_heads_tiles; };
   auto kv_head_of = [&](int k) { return item_of(k) / row_tiles % p.num_kv_heads; };
   auto row0_of = [&](int k) { return item_of(k) % row_tiles * 16; };
-  // Decode: the token sees positions < seq_len (its causal edge too), and < the mask's width.
-  auto kv_end_of = [&](int k) {
-    const int seq_len = queue_length[k & (kSlots - 1)];
-    return p.attn_mask != nullptr ? min(seq_len, p.mask_kv_len) : seq_len;
+  // Item k's sequence and the kv range its token sees (variant.cuh): its tiles run from the
+  // range's first tile (enter_item) to its end, at least one.
+  auto sequence_of = [&](int k) {
+    return decode_sequence(p, seq_of(k), queue_length[k & (kSlots - 1)]);
   };
-  auto tiles_of = [&](int k) { return max(1, (kv_end_of(k) + kTileN - 1) / kTileN); };
+  auto range_of = [&](int k) { return block_kv_range(p, sequence_of(k), row0_of(k), 16); };
+  // Points cursor c at its item's tiles (none past the block's last item).
+  auto enter_item = [&](ItemTileCursor& c) {
+    c.t = 0;
+    c.tiles = 0;
+    c.base = 0;
+    if (item_of(c.k) >= num_items) return;
+    const KvRange range = range_of(c.k);
+    c.base = range.begin / kTileN;
+    c.tiles = max(1, (range.end - c.base * kTileN + kTileN - 1) / kTileN);
+  };
   auto block_table_of = [&](int k) { return p.block_table + seq_of(k) * p.block_table_stride; };
   auto load_query = [&](int k) {
     load_query_rows<T, 16, Traits::kChunksPerRow, kThreads>(
@@ -177,19 +189,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cp_async_4(shared_address(queue_length), p.seq_lens + blockIdx.x / seq_heads_tiles, true);
   __syncthreads();
   load_query(0);
-  loader.fetch_ids_at(block_table_of(0), 0, 0);
-  loader.fetch_ids_at(block_table_of(0), 1, 1);
+  // Without a window an item's tiles start at tile 0, known before its length lands; with one,
+  // the first item's length is waited for here.
+  int first_base = 0;
+  if (p.window_left >= 0) {
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    first_base = range_of(0).begin / kTileN;
+  }
+  loader.fetch_ids_at(block_table_of(0), first_base, 0);
+  loader.fetch_ids_at(block_table_of(0), first_base + 1, 1);
   loader.commit();
   cp_async_wait<0>();
   __syncthreads();
+  ItemTileCursor consume{0, 0, 0, 0};
+  enter_item(consume);
 
   // A cursor past the block's last item stays there (tiles = 0).
   auto advance = [&](ItemTileCursor& c) {
     if (c.tiles == 0) return;
     if (++c.t >= c.tiles) {
       ++c.k;
-      c.t = 0;
-      c.tiles = item_of(c.k) < num_items ? tiles_of(c.k) : 0;
+      enter_item(c);
     }
   };
   auto valid = [](const ItemTileCursor& c) { return c.tiles > 0; };
@@ -208,7 +230,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     advance(c);
     if (claims_here(c)) claim_next();
   };
-  ItemTileCursor consume{0, 0, tiles_of(0)};
   ItemTileCursor issue = consume, ids = consume;
   if (claims_here(ids)) claim_next();
   // The issue cursor's item: its threads' K/V columns and its kv end.
@@ -217,37 +238,46 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto aim_issue = [&](int k) {
     k_thread = loader.thread_column(k_cache + kv_head_of(k) * k_head_bytes);
     v_thread = loader.thread_column(v_cache + kv_head_of(k) * v_head_bytes);
-    issue_kv_end = kv_end_of(k);
+    issue_kv_end = range_of(k).end;
+  };
+  // A page id outside the pool poisons the item whose tile met it: bit k % 2 for item k (the
+  // issue cursor is at most one item ahead of the consumer).
+  int poison_bits = 0;
+  auto issue_tile = [&](int stage, int slot_tile) {
+    bool met = false;
+    loader.issue_at(k_thread, v_thread, issue_kv_end, issue.base + issue.t, stage, slot_tile, met);
+    poison_bits |= static_cast<int>(met) << (issue.k & 1);
   };
   aim_issue(0);
   advance_ids(ids, -1);  // tile 0's ids are in slot 0
   if (ids.t == 0 && valid(ids)) {
     // The first item has one tile: virtual tile 1 is the second item's first (slot 1 holds the
     // first item's tile 1, which does not exist).
-    loader.fetch_ids_at(block_table_of(ids.k), 0, 1);
+    loader.fetch_ids_at(block_table_of(ids.k), ids.base, 1);
     loader.commit();
     cp_async_wait<0>();
     __syncthreads();
   }
   advance_ids(ids, -1);
   // Step "-1": tile 0 into stage 0, the ids of virtual tile 2.
-  loader.issue_at(k_thread, v_thread, issue_kv_end, issue.t, 0, 0);
+  issue_tile(0, 0);
   advance(issue);
   if (valid(ids)) {
-    loader.fetch_ids_at(block_table_of(ids.k), ids.t, 2);
+    loader.fetch_ids_at(block_table_of(ids.k), ids.base + ids.t, 2);
     advance_ids(ids, -1);
   }
   loader.commit();
 
-  const float scale_log2 = args.scale_log2;
-  const bool fold_scale = scale_log2 > 0.f;
-  const float exp_scale = fold_scale ? scale_log2 : 1.f;
+  const ScoreTransform transform = score_transform(p, args.scale_log2);
   const int warp_col0 = warp * Traits::kWarpTileN;
   T* out = static_cast<T*>(p.out);
 
   WarpSoftmaxState<Traits> state;
   uint32_t q_frag[D / 16][4];
-  int seq = 0, kv_head = 0, row0 = 0, kv_end = 0, num_rows = 0, first_pos = 0;
+  int kv_head = 0, row0 = 0;
+  SequenceRows seq{};
+  KvRange range{};
+  UnmaskedTiles unmasked{};
 
   for (int g = 0; valid(consume); ++g) {
     // ---- producer: the claim of the last step stored; the copy of tile g + 1 (and its item's
@@ -258,11 +288,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         aim_issue(issue.k);
         load_query(issue.k);
       }
-      loader.issue_at(k_thread, v_thread, issue_kv_end, issue.t, (g + 1) % kStages, g + 1);
+      issue_tile((g + 1) % kStages, g + 1);
       advance(issue);
     }
     if (valid(ids)) {
-      loader.fetch_ids_at(block_table_of(ids.k), ids.t, g + 3);
+      loader.fetch_ids_at(block_table_of(ids.k), ids.base + ids.t, g + 3);
       advance_ids(ids, g);
     }
     loader.commit();
@@ -271,12 +301,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // ---- consumer: tile g ----------------------------------------------------------------
     const int k = consume.k;
     if (consume.t == 0) {
-      seq = seq_of(k);
+      seq = sequence_of(k);
       kv_head = kv_head_of(k);
       row0 = row0_of(k);
-      kv_end = kv_end_of(k);
-      first_pos = queue_length[k & (kSlots - 1)] - 1;
-      num_rows = group;
+      range = block_kv_range(p, seq, row0, 16);
+      unmasked = unmasked_tiles(p, seq, range, row0, 16);
       state.reset();
       const T* q_smem = q_buffers + (k & 1) * Traits::kQSmemElements;
 #pragma unroll
@@ -287,7 +316,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     const int stage = g % kStages;
-    const int pos0 = consume.t * kTileN;
+    const int pos0 = (consume.base + consume.t) * kTileN;
     attend_kv_tile<Traits, T>(
         k_smem + stage * Traits::kTileElements, v_smem + stage * Traits::kTileElements, warp_col0,
         lane,
@@ -295,33 +324,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[e] = q_frag[ks][e];
         },
-        [&] {
-          return p.attn_mask != nullptr || pos0 + kTileN > kv_end ||
-                 (p.is_causal && pos0 + kTileN - 1 > first_pos);
-        },
+        [&] { return unmasked.need_mask(pos0, kTileN); },
         [&](auto& s_acc) {
-          mask_invisible_scores<Traits>(s_acc, p, lane, row0, num_rows, group, seq, first_pos,
-                                        kv_end, pos0 + warp_col0);
+          mask_invisible_scores<Traits>(s_acc, p, seq, range, lane, row0, pos0 + warp_col0);
         },
-        fold_scale, scale_log2, exp_scale, state);
+        transform, state);
 
     if (consume.t == consume.tiles - 1) {
       // ---- epilogue of item k: merge the warps' states, write the rows ---------------------
-      finish_row_states(state, exp_scale);
-      const MergedRows<Traits> merged =
-          merge_warp_states<Traits>(merge, state, tid, num_rows - row0, [] { __syncthreads(); });
-      const int c = (tid % MergedRows<Traits>::kColumns) * 4;
+      finish_row_states(state, transform.exp_scale);
+      // Whether a copy of this item met a page outside the pool (its flag is free again after).
+      const bool poisoned = __syncthreads_or((poison_bits >> (k & 1)) & 1) || seq.poisoned;
+      poison_bits &= ~(1 << (k & 1));
+      const MergedRows<Traits> merged = merge_warp_states<Traits>(
+          merge, state, tid, seq.num_rows - row0, [] { __syncthreads(); });
 #pragma unroll
       for (int i = 0; i < MergedRows<Traits>::kItems; ++i) {
         const int row = row0 + MergedRows<Traits>::row(tid, i);
-        if (row >= num_rows) continue;
-        const float inv = merged.l[i] > 0.f ? 1.f / merged.l[i] : 0.f;
+        if (row >= seq.num_rows) continue;
+        const int c = MergedRows<Traits>::column(tid, i) * 4;
+        const int head = kv_head * group + row;
+        const FinishedRow finished =
+            finish_row(merged.m[i], poison_sum(merged.l[i], poisoned), sink_log2(p, head));
+        const float inv = finished.inv;
         const float4 acc = merged.o[i];
-        T* dst = out + seq * p.out_stride_token + (kv_head * group + row) * p.out_stride_head + c;
+        T* dst = out + seq.q_start * p.out_stride_token + head * p.out_stride_head + c;
         uint2 packed;
         packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
         packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
         *reinterpret_cast<uint2*>(dst) = packed;
+        if (c == 0) store_lse(p, seq.q_start, head, finished.lse_log2);
       }
     }
     __syncthreads();  // the next step's copy overwrites this stage (and its ids' ring slot)
@@ -330,25 +362,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   cp_async_wait<0>();
 }
 
-#define ASTRAI_DEFINE_PAGED_DECODE_PERSISTENT(T)                                                  \
-  template <>                                                                                     \
-  LaunchStatus run_paged_decode_persistent<T>(const PagedKernelArgs& args, cudaStream_t stream) { \
-    using Traits = PagedAttentionTraits<128, true, 1, 8>;                                         \
-    constexpr int kSmemBytes = PersistentDecodeLayout<Traits>::kSmemBytes;                        \
-    auto kernel = paged_decode_persistent_kernel<Traits, T>;                                      \
-    const cudaError_t error =                                                                     \
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);    \
-    if (error != cudaSuccess)                                                                     \
-      return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};                 \
-    persistent_claim_counter_reset_kernel<<<1, 1, 0, stream>>>(args.claim_counter);               \
-    const LaunchStatus reset = status_after_launch("persistent_claim_counter_reset_kernel");      \
-    if (!reset.ok()) return reset;                                                                \
-    const cudaError_t launched = launch_maybe_dependent(                                          \
-        kernel, dim3(static_cast<unsigned>(args.persistent_blocks)), dim3(Traits::kThreads),      \
-        kSmemBytes, stream, args.early_start && current_device_is_sm90_or_newer(), args);         \
-    if (launched != cudaSuccess)                                                                  \
-      return {std::string("paged_decode_persistent_kernel: ") + cudaGetErrorString(launched)};    \
-    return status_after_launch("paged_decode_persistent_kernel");                                 \
-  }
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream) {
+  using Traits = DecodeEightWarpTraits<D>;
+  constexpr int kSmemBytes = PersistentDecodeLayout<Traits>::kSmemBytes;
+  auto kernel = paged_decode_persistent_kernel<Traits, T>;
+  const cudaError_t error =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (error != cudaSuccess)
+    return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
+  persistent_claim_counter_reset_kernel<<<1, 1, 0, stream>>>(args.claim_counter);
+  const LaunchStatus reset = status_after_launch("persistent_claim_counter_reset_kernel");
+  if (!reset.ok()) return reset;
+  const cudaError_t launched = launch_maybe_dependent(
+      kernel, dim3(static_cast<unsigned>(args.persistent_blocks)), dim3(Traits::kThreads),
+      kSmemBytes, stream, args.early_start && current_device_is_sm90_or_newer(), args);
+  if (launched != cudaSuccess)
+    return {std::string("paged_decode_persistent_kernel: ") + cudaGetErrorString(launched)};
+  return status_after_launch("paged_decode_persistent_kernel");
+}
 
 }  // namespace astrai::kernels

@@ -1,10 +1,11 @@
 // A warp's work on one K/V tile in shared memory, and the decode's merge of its warps' softmax
-// states: shared by the paged attention kernel (paged_attention_kernel.cuh) and the persistent
-// decode kernel (paged_decode_persistent_kernel.cuh).
+// states: shared by the mma.sync kernels (decode_kernel.cuh, decode_persistent_kernel.cuh,
+// prefill_kernel.cuh).
 //
 // attend_kv_tile: S = Q K^T for the warp's rows x Traits::kWarpTileN kv positions of the tile
-// (starting at warp_col0 inside it), the scale, the caller's mask, the online softmax step and
-// O += P V, on mma.sync.m16n8k16 with fp32 accumulators (FlashAttention-2).
+// (starting at warp_col0 inside it), the score transform (variant.cuh), the caller's mask, the
+// online softmax step and O += P V, on mma.sync.m16n8k16 with fp32 accumulators
+// (FlashAttention-2).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,10 +13,10 @@
 #include <cmath>
 #include <cstdint>
 
-#include "device_primitives.cuh"
-#include "online_softmax.cuh"
-#include "paged_attention_params.h"
-#include "paged_attention_rows.cuh"
+#include "../common/device_primitives.cuh"
+#include "../common/online_softmax.cuh"
+#include "params.h"
+#include "variant.cuh"
 
 namespace astrai::kernels {
 
@@ -43,13 +44,13 @@ struct WarpSoftmaxState {
 
 // q_fragment(mi, ks, a) fills the A fragment of row block mi, k-step ks; mask_scores(s) sets the
 // scores the rows may not see to -inf, called only where needs_mask() says the tile has any
-// (asked after S, which keeps its operands out of registers during the multiplies). A positive
-// scale is folded into the exponent (exp_scale = scale_log2); any other is applied before the mask.
+// (asked after S, which keeps its operands out of registers during the multiplies). The scores
+// are transformed (scale, softcap: variant.cuh's ScoreTransform) before the mask.
 template <typename Traits, typename T, typename QFragment, typename NeedsMask, typename MaskScores>
 __device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile, int warp_col0,
                                                int lane, QFragment&& q_fragment,
                                                NeedsMask&& needs_mask, MaskScores&& mask_scores,
-                                               bool fold_scale, float scale_log2, float exp_scale,
+                                               const ScoreTransform& transform,
                                                WarpSoftmaxState<Traits>& state) {
   constexpr int D = Traits::kHeadDim;
   constexpr int kMRep = Traits::kRowBlocksPerWarp;
@@ -82,14 +83,9 @@ __device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile,
     }
   }
 
-  if (!fold_scale) {
-#pragma unroll
-    for (int mi = 0; mi < kMRep; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < kWarpTileN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] *= scale_log2;
-  }
+  transform_scores<kMRep * kWarpTileN / 2>(transform, [&](int i) -> float& {
+    return s_acc[i / (kWarpTileN / 2)][(i / 4) % (kWarpTileN / 8)][i % 4];
+  });
   if (needs_mask()) mask_scores(s_acc);
 
   // Online softmax (online_softmax.cuh). O is rescaled only when some lane's alpha differs from
@@ -101,7 +97,7 @@ __device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile,
     for (int half = 0; half < 2; ++half) {
       alpha[mi][half] = online_softmax_row<kWarpTileN / 8>(
           [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; },
-          state.row_max[mi][half], state.row_sum[mi][half], exp_scale);
+          state.row_max[mi][half], state.row_sum[mi][half], transform.exp_scale);
     }
   }
   bool rescale = false;
@@ -143,20 +139,19 @@ __device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile,
 }
 
 // Sets the scores of kv positions that the warp's rows may not see to -inf (row_visibility in
-// paged_attention_rows.cuh): rows from first_row (the warp's first), kv positions from first_col
-// (the warp's first of the tile).
+// variant.cuh): rows from first_row (the warp's first), kv positions from first_col (the warp's
+// first of the tile).
 template <typename Traits, typename Scores>
 __device__ __forceinline__ void mask_invisible_scores(Scores& s_acc, const PagedAttentionParams& p,
-                                                      int lane, int first_row, int num_rows,
-                                                      int group, int q_start, int first_pos,
-                                                      int kv_end, int first_col) {
+                                                      const SequenceRows& seq, const KvRange& range,
+                                                      int lane, int first_row, int first_col) {
   const int lane_row = lane / 4, lane_col = (lane % 4) * 2;
 #pragma unroll
   for (int mi = 0; mi < Traits::kRowBlocksPerWarp; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const RowVisibility seen = row_visibility(p, first_row + mi * 16 + lane_row + half * 8,
-                                                num_rows, group, q_start, first_pos, kv_end);
+      const RowVisibility seen =
+          row_visibility(p, seq, range, first_row + mi * 16 + lane_row + half * 8);
 #pragma unroll
       for (int nt = 0; nt < Traits::kWarpTileN / 8; ++nt) {
 #pragma unroll
@@ -191,27 +186,30 @@ __device__ __forceinline__ void finish_row_states(WarpSoftmaxState<Traits>& stat
     }
 }
 
-// Decode: the softmax states of one row's 4 columns (max in the log2 domain, sum, unnormalized
-// output), merged over the block's warps, for the kItems rows of this thread.
+// Decode: the softmax states of 4 columns of a row (max in the log2 domain, sum, unnormalized
+// output), merged over the block's warps: the kItems (row, float4 column) items of this thread.
+// Item i of thread tid is item tid + i * kThreads of the 16 x D / 4 grid, row-major, so where the
+// threads divide into whole rows a thread keeps one column (column(tid, i) the same for every i).
 template <typename Traits>
 struct MergedRows {
   static constexpr int kColumns = Traits::kHeadDim / 4;
-  static constexpr int kRowsPerPass = Traits::kThreads / kColumns;
-  static constexpr int kItems = 16 / kRowsPerPass;
-  static_assert(Traits::kThreads % kColumns == 0 && 16 % kRowsPerPass == 0, "merge items");
+  static constexpr int kItems = 16 * kColumns / Traits::kThreads;
+  static_assert((16 * kColumns) % Traits::kThreads == 0, "merge items");
   float m[kItems], l[kItems];
   float4 o[kItems];
   __device__ __forceinline__ static int row(int tid, int i) {
-    return tid / kColumns + i * kRowsPerPass;
+    return (tid + i * Traits::kThreads) / kColumns;
+  }
+  __device__ __forceinline__ static int column(int tid, int i) {
+    return (tid + i * Traits::kThreads) % kColumns;
   }
 };
 
 // Decode: merges the states of the warps (each saw kWarpTileN positions of every tile) through
-// `merge` in shared memory (Traits::kMergeBytes); thread tid takes float4 column tid % (D / 4) of
-// rows tid / (D / 4) + i * kRowsPerPass. Rows at or past valid_rows (padding a GQA group to 16)
-// are neither written nor read. sync() is the group's barrier, between the writes and the reads;
-// the caller makes sure no thread still reads what the region holds before (it may alias the K/V
-// stages).
+// `merge` in shared memory (Traits::kMergeBytes); thread tid takes the items of MergedRows. Rows at
+// or past valid_rows (padding a GQA group to 16) are neither written nor read. sync() is the
+// group's barrier, between the writes and the reads; the caller makes sure no thread still reads
+// what the region holds before (it may alias the K/V stages).
 template <typename Traits, typename Sync>
 __device__ __forceinline__ MergedRows<Traits> merge_warp_states(
     unsigned char* merge, const WarpSoftmaxState<Traits>& state, int tid, int valid_rows,
@@ -240,10 +238,10 @@ __device__ __forceinline__ MergedRows<Traits> merge_warp_states(
   sync();
 
   MergedRows<Traits> merged;
-  const int c = (tid % MergedRows<Traits>::kColumns) * 4;
 #pragma unroll
   for (int i = 0; i < MergedRows<Traits>::kItems; ++i) {
     const int r = MergedRows<Traits>::row(tid, i);
+    const int c = MergedRows<Traits>::column(tid, i) * 4;
     const bool valid = r < valid_rows;
     float m = kNegInf;
 #pragma unroll

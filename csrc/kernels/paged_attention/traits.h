@@ -1,10 +1,11 @@
-// Tile shapes of the paged attention kernels, one place for every choice.
+// Tile shapes of the paged attention kernels, one place for every choice. Plain C++: the plan
+// (plan.cpp) counts residency and shared memory from these on any machine.
 //
-// Both kernels run the same warp routine (FlashAttention-2: S = Q K^T and O += P V on
-// mma.sync.m16n8k16 with fp32 accumulators, online softmax in registers) over query "rows" that
-// pack (new token, q head of the GQA group) pairs: row r of kv head h is token r / G, q head
-// h * G + r % G. Packing the group into rows makes every K/V tile loaded into shared memory serve
-// all G q heads that read it.
+// Both kernels (decode_kernel.cuh, prefill_kernel.cuh) run the same warp routine (FlashAttention-2:
+// S = Q K^T and O += P V on mma.sync.m16n8k16 with fp32 accumulators, online softmax in registers)
+// over query "rows" that pack (new token, q head of the GQA group) pairs: row r of kv head h is
+// token r / G, q head h * G + r % G. Packing the group into rows makes every K/V tile loaded into
+// shared memory serve all G q heads that read it.
 //
 // Decode (one token per sequence): a block owns 16 rows (one GQA group, padded to 16; groups larger
 // than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their
@@ -12,16 +13,16 @@
 // a group to 16 cost nothing; what matters is how the K/V stream is requested: enough bytes in
 // flight per SM (a group has up to kStages tiles requested; one block of 4 warps per SM, 64 KB,
 // streams 8-12% slower than two groups, 128 KB), the pipeline depth (see kStages), and rows that
-// land aligned: decode tiles are swizzled, not padded (see tile_offset in device_primitives.cuh;
-// padded 272-byte rows read the stream 7-8% slower, and swizzling took B=64 L=4096 from 3.96
-// to 4.27 TB/s, H200, benchmarks/NOTES.md). Two splits of a (sequence, kv head) can share one block
-// as two such groups of warps (kGroups below), merged in its shared memory. SDPA cuDNN's shape
-// (128-position tiles, one block of 4 warps per SM, no split at B >= 16) measured 0.92-0.985x of
-// these 64-position tiles in this kernel
+// land aligned: decode tiles are swizzled, not padded (see tile_offset in
+// common/device_primitives.cuh; padded 272-byte rows read the stream 7-8% slower, and swizzling
+// took B=64 L=4096 from 3.96 to 4.27 TB/s, H200, lab/NOTES.md). Two splits of a (sequence, kv head)
+// can share one block as two such groups of warps (kGroups below), merged in its shared memory.
+// SDPA cuDNN's shape (128-position tiles, one block of 4 warps per SM, no split at B >= 16)
+// measured 0.92-0.985x of these 64-position tiles in this kernel
 // (results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md). One group of 8 warps over
 // 128-position tiles (kWarps below), one block per SM with the page ids two tiles ahead in shared
 // memory, is what runs at one wave in place of the block pairs up to 16384 positions
-// (paged_decode_splits.h has the rule and its measurements).
+// (plan.h has the rule and its measurements).
 //
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
@@ -29,14 +30,20 @@
 // D = 128 uses 128x64 tiles: 68 bytes of spills at the 255-register cap (2 blocks/SM), measured
 // faster than 128x32 without spills (H200, causal bf16, benchmarks/bench_attention.py: B=2 S=4096
 // GQA 272 -> 281 TFLOP/s, ragged 258 -> 272; with the folded scale of
-// paged_attention_kernel.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
+// tile_math.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
 // bytes), an XOR swizzle instead of row padding (one address register per fragment, spills;
 // measured again with the decode swizzle: 298 -> 295 TFLOP/s at B=2 S=4096, 96 bytes of spills).
-// On sm_90 prefill at D = 128 runs paged_prefill_wgmma_kernel.cuh instead (Hopper's wgmma,
+// On sm_90 prefill at D = 128 runs prefill_wgmma_kernel.cuh instead (Hopper's wgmma,
 // operands straight from shared memory); these traits are its fallback and the sm_80 kernel.
+//
+// Head dims whose rows are not a power of two of 16-byte chunks (D = 96: 12) keep padded rows in
+// decode too (the swizzle permutes 8 chunks), and their copies and merges index (row, chunk)
+// pairs flatly (kv_tile_loader.cuh, tile_math.cuh).
 #pragma once
 
 namespace astrai::kernels {
+
+constexpr bool is_power_of_two(int value) { return value > 0 && (value & (value - 1)) == 0; }
 
 // Shared memory of an H100/H200 SM, the most one block may take, and what the driver keeps per
 // resident block: the figures the residency below is computed from.
@@ -54,8 +61,9 @@ struct PagedAttentionTraits {
   static constexpr int kWarps = kWarps_;
   static_assert(kWarps == 4 || (kWarps == 8 && kDecode && kGroups_ == 1),
                 "4 warps, or 8 in decode");
-  static constexpr int kThreads = kWarps * 32;        // one group's (see kGroups)
-  static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row of D elements
+  static constexpr int kThreads = kWarps * 32;  // one group's (see kGroups)
+  static constexpr int kElementBytes = 2;       // q, K, V and output: 16-bit floats
+  static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;  // 16-byte chunks per row
 
   // Decode: 16 rows per block. Prefill: 2 row blocks of 16 per warp up to D = 128 (registers:
   // O 2x16xD fp32 + S 2x16x64 fp32 fit in 255), 1 at D = 256.
@@ -79,15 +87,16 @@ struct PagedAttentionTraits {
   // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
   static constexpr bool kQInRegisters = kDecode && kHeadDim <= 128;
 
-  // Shared-memory row layout (see tile_offset in device_primitives.cuh): decode streams K/V and
-  // reads faster into swizzled, unpadded rows; prefill keeps padded rows (fewer registers).
-  static constexpr bool kSwizzle = kDecode;
+  // Shared-memory row layout (see tile_offset in common/device_primitives.cuh): decode streams K/V
+  // and reads faster into swizzled, unpadded rows; prefill keeps padded rows (fewer registers), as
+  // do rows the swizzle cannot permute (not a power of two of at least 8 chunks).
+  static constexpr bool kSwizzle = kDecode && is_power_of_two(kChunksPerRow) && kChunksPerRow >= 8;
   static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;
   static constexpr int kQSmemElements = kBlockRows * kRowStride;
   static constexpr bool kWgmmaTiles = false;  // K/V tile layout (paged_kv_tile_loader.cuh)
   static constexpr int kTileElements = kTileN * kRowStride;
   static constexpr int kKVSmemElements = kStages * kTileElements;  // per K and per V
-  // Decode splits merged in a thread-block cluster: 2 (paged_attention_dispatch.cu says why). The
+  // Decode splits merged in a thread-block cluster: 2 (plan.h says why). The
   // epilogue's incoming region (at the end of shared memory, outside the K/V stages, which the
   // peer may still be reading) receives the peer's states of this block's half of the columns:
   // 16 rows x D / 2 floats of output, then 16 maxima and 16 sums.
@@ -102,20 +111,21 @@ struct PagedAttentionTraits {
   static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
   static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
   static constexpr int kSmemBytes =
-      (kQSmemElements + 2 * kKVSmemElements) * 2 + kPageIdBytes + kIncomingBytes;
+      (kQSmemElements + 2 * kKVSmemElements) * kElementBytes + kPageIdBytes + kIncomingBytes;
 
   // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads
   // rows so the float2 stores of a warp hit distinct banks) plus m and l per row.
   static constexpr int kMergeRowStride = kHeadDim + 4;
   static constexpr int kMergeBytes = kWarps * 16 * (kMergeRowStride + 2) * 4;
-  static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * 2, "merge buffer too large");
+  static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * kElementBytes,
+                "merge buffer too large");
 
   // Resident decode blocks per SM (single blocks), which the split rule and the block pairs count
-  // on: 4 at D = 64, 2 at D = 128, 1 at D = 256; 1 eight-warp block. A block reserves just over 1 /
-  // (n + 1) of an H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so that no more
-  // than n fit: at D = 128 3 blocks of 2 stages measured the same as 2 within noise (same results
-  // file), and at D = 64 4 blocks fill one wave where 3 did not (B=64 Hkv=8: 512 blocks, 528
-  // slots; 1.2x).
+  // on: 4 at D = 64, 2 at D = 96 and 128, 1 at D = 256; 1 eight-warp block. A block reserves just
+  // over 1 / (n + 1) of an H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so
+  // that no more than n fit: at D = 128 3 blocks of 2 stages measured the same as 2 within noise
+  // (same results file), and at D = 64 4 blocks fill one wave where 3 did not (B=64 Hkv=8: 512
+  // blocks, 528 slots; 1.2x).
   static constexpr int kDecodeBlocksPerSm =
       kWarps == 8 ? 1 : (kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 2 : 1));
   static constexpr int kShareOfOneBlockMoreBytes =
@@ -155,7 +165,18 @@ struct PagedAttentionTraits {
   static_assert((kTileN * kChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
 };
 
-// Shared memory of the persistent decode block (paged_decode_persistent_kernel.cuh): two query
+// Traits of the decode forms (plan.h's DecodeForm): 4-warp blocks (also the split and cluster
+// forms), block pairs, eight-warp blocks (also the persistent decode's block).
+template <int kHeadDim>
+using DecodeTraits = PagedAttentionTraits<kHeadDim, true>;
+template <int kHeadDim>
+using DecodePairTraits = PagedAttentionTraits<kHeadDim, true, 2>;
+template <int kHeadDim>
+using DecodeEightWarpTraits = PagedAttentionTraits<kHeadDim, true, 1, 8>;
+template <int kHeadDim>
+using PrefillTraits = PagedAttentionTraits<kHeadDim, false>;
+
+// Shared memory of the persistent decode block (decode_persistent_kernel.cuh): two query
 // buffers, the K and V stages and the page-id ring as the eight-warp block has them, then the
 // merge region (the K/V stages hold the next item's tiles while the warps merge) and the queue of
 // the block's items (index and length, kItemSlots of each).
@@ -164,9 +185,10 @@ struct PersistentDecodeLayout {
   static_assert(Traits::kDecode && Traits::kPageIdRing && Traits::kGroups == 1,
                 "the eight-warp decode block's tiles");
   static constexpr int kItemSlots = 8;  // a power of two above the items in flight (at most 5)
-  static constexpr int kQueryBytes = Traits::kQSmemElements * 2;
-  static constexpr int kStageBytes = Traits::kKVSmemElements * 2;  // all stages of K (or V)
-  static constexpr int kQueryOffset = 0;                           // [2] query buffers
+  static constexpr int kQueryBytes = Traits::kQSmemElements * Traits::kElementBytes;
+  static constexpr int kStageBytes =
+      Traits::kKVSmemElements * Traits::kElementBytes;  // all stages of K (or V)
+  static constexpr int kQueryOffset = 0;                // [2] query buffers
   static constexpr int kKOffset = kQueryOffset + 2 * kQueryBytes;
   static constexpr int kVOffset = kKOffset + kStageBytes;
   static constexpr int kPageIdOffset = kVOffset + kStageBytes;
@@ -176,13 +198,5 @@ struct PersistentDecodeLayout {
   static_assert(kMergeOffset % 16 == 0 && kItemQueueOffset % 16 == 0, "16-byte aligned regions");
   static_assert(kSmemBytes <= kBlockSharedMemoryLimitBytes, "one block per SM");
 };
-
-// Head dims with a block-pair decode kernel: D = 128, whose pair (2 x 72 KB) takes an H200 SM as
-// its 2 single blocks do. (D = 64 runs 4 single blocks per SM, D = 256 pairs do not fit.)
-constexpr bool paged_decode_block_pairs_compiled(int head_dim) { return head_dim == 128; }
-// Head dims with an eight-warp decode kernel: D = 128, where it replaces the block pairs.
-constexpr bool paged_decode_eight_warp_blocks_compiled(int head_dim) { return head_dim == 128; }
-// Head dims with a persistent decode kernel (paged_decode_persistent_kernel.cuh): D = 128.
-constexpr bool paged_decode_persistent_compiled(int head_dim) { return head_dim == 128; }
 
 }  // namespace astrai::kernels

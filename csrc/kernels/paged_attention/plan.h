@@ -1,12 +1,18 @@
-// How many splits of its kv range each (sequence, kv head, row tile) of a decode gets: the rule,
-// apart from CUDA so that it is unit-tested on any machine (tests/cpp/decode_splits_test.cpp).
+// The plan of a paged attention call: which kernel form runs, with how many splits, on what grid.
+// Torch-free and CUDA-free, so that it is unit-tested on any machine (tests/cpp/plan_test.cpp);
+// the binding goes tensors -> params -> plan -> launch (csrc/backends/cuda_paged_attention.cu).
 //
-// Shapes only, never seq_lens' values: one launch configuration (and one captured CUDA graph)
-// serves every length up to the block table's width. The rule: as many splits as fit the whole
-// grid into one wave of resident blocks, at least 1, at most one per kv tile and 256. A second
-// wave costs more than the unused slots of one (its blocks start cold, and every extra split adds
-// a partial state to merge): measured on the H200 (132 SMs x 2 blocks, bf16, Hq=32, Hkv=8, D=128,
-// page 16, benchmarks/sweep_decode_splits.py, us; the earlier rule, waves x (tiles per split + 1),
+// Decode forms (DecodeForm): 4-warp blocks, one or more splits of each (sequence, kv head, row
+// tile)'s kv tiles, merged by the merge kernel (kSplit) or, 2 splits, in a thread-block cluster
+// (kCluster, sm_90) or in one block of two groups of warps (kBlockPairs); one split as one block of
+// 8 warps per SM (kEightWarps); or one block per SM taking the items in turn (kPersistent).
+//
+// How many splits: shapes only, never seq_lens' values: one launch configuration (and one captured
+// CUDA graph) serves every length up to the block table's width. The rule: as many splits as fit
+// the whole grid into one wave of resident blocks, at least 1, at most one per kv tile and 256. A
+// second wave costs more than the unused slots of one (its blocks start cold, and every extra split
+// adds a partial state to merge): measured on the H200 (132 SMs x 2 blocks, bf16, Hq=32, Hkv=8,
+// D=128, page 16, lab/sweep_decode_splits.py, us; the earlier rule, waves x (tiles per split + 1),
 // chose more splits and a merge kernel wherever a few waves of short splits looked cheaper):
 //
 //   B, L      pairs  this rule           earlier rule  other counts
@@ -22,9 +28,84 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 namespace astrai::kernels {
+
+// ---- The plan's inputs ------------------------------------------------------------------------
+
+// What a plan reads of the device and the build, once per device (launch.cu fills it).
+struct DeviceFacts {
+  int arch = 0;                 // compute capability, major * 10 + minor
+  int num_sms = 0;              // multiprocessors
+  int max_smem_per_block = 0;   // bytes a block may opt in to
+  int max_smem_per_sm = 0;      // bytes
+  bool has_sm90a_code = false;  // the library was built for sm_90a (wgmma)
+};
+
+enum class DecodeForm : int { kAuto, kSplit, kCluster, kBlockPairs, kEightWarps, kPersistent };
+enum class PrefillKernel : int { kAuto, kWgmma, kMmaSync };
+
+// Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
+// ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
+// comma-separated key=value pairs ("" = automatic):
+//   decode_form=auto|split|cluster|block_pairs|eight_warps|persistent  a preference: where the form
+//                                     cannot run (head dim, GPU), the automatic choice runs
+//   decode_splits=N                  N splits (1..65535) instead of the rule's (plan below); with
+//                                    the automatic form, 2 splits merge as the rule would merge 2
+//   persistent_blocks=N              the persistent decode's grid (at most the items), for tests
+//                                    that give each block several items
+//   prefill_kernel=auto|wgmma|mma_sync  wgmma where it runs, or never
+struct KernelTuning {
+  DecodeForm decode_form = DecodeForm::kAuto;
+  int decode_splits = 0;      // 0: the rule's
+  int persistent_blocks = 0;  // 0: one per SM
+  PrefillKernel prefill_kernel = PrefillKernel::kAuto;
+};
+// "" on success; otherwise what is wrong (and *tuning is left unchanged).
+std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
+
+// The shape of a decode call (shapes and host ints only, never seq_lens' values: one plan and one
+// captured CUDA graph serve every length up to the block table's width).
+struct DecodeShape {
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t block_table_positions = 0;  // block table width * page size
+  int window_left = -1;               // the call's window (-1: none): bounds the kv range read
+};
+
+struct DecodePlan {
+  DecodeForm form = DecodeForm::kSplit;  // never kAuto
+  int num_splits = 1;
+  int persistent_blocks = 0;    // kPersistent: the grid
+  size_t workspace_floats = 0;  // kSplit with num_splits > 1: partial outputs and their lse
+  std::string error;            // set when no form can run the call here
+};
+
+struct PrefillPlan {
+  PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
+  std::string error;
+};
+
+// Decode items: (sequence, kv head, row tile of 16 query rows) triples.
+int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads);
+// The kv positions a decode row may read: the block table's, or the window's (rounded out to
+// whole tiles).
+int64_t decode_kv_positions(const DecodeShape& shape);
+
+DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device,
+                             const KernelTuning& tuning);
+PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning);
+
+const char* decode_form_name(DecodeForm form);
+const char* prefill_kernel_name(PrefillKernel kernel);
+
+// ---- The rules, with their measurements --------------------------------------------------------
 
 // blocks_per_split: the decode blocks that one split of every (sequence, kv head, row tile)
 // takes; resident_slots: decode blocks the GPU runs at once (SMs x blocks per SM); max_tiles: kv
@@ -51,8 +132,8 @@ constexpr bool decode_block_pairs_fill_gpu(int64_t pair_blocks, int64_t num_sms)
 // one per SM, page ids from a ring in shared memory; PagedAttentionTraits' kWarps) replaces the 2
 // splits of block pairs, on the same grid. max_kv_len: the block table's width in positions. H200,
 // bf16, Hq=32, D=128, shuffled pages, kernel us (profiler) eight warps / block pairs, one column
-// per process of benchmarks/decode_pairs_ab.py, the last one this tree
-// (results/decode_eight_warp_blocks_NVIDIA-H200_2026-12-03.md):
+// per process of lab/decode_pairs_ab.py, the last one this tree
+// (lab/results/decode_eight_warp_blocks_NVIDIA-H200_2026-12-03.md):
 //
 //   B, Hkv, L      page 16                                           page 1       page 256
 //   16, 8, 2048    33.6/34.2   34.1/34.6   34.7/35.0   33.3/34.1     34.0/34.5    33.3/34.1
@@ -80,8 +161,8 @@ constexpr bool decode_eight_warp_blocks_pay(int64_t max_kv_len) {
 // where the hardware's blocks wait for a slot. At 2 and 4 rounds the 4-warp blocks are faster on
 // uniform lengths (B=24: 95.9 vs 108.4 us, B=56: 213.5 vs 227.7). H200 (132 SMs), bf16, Hq=32,
 // D=128, page 16, shuffled pages, kernel us (profiler; the persistent column includes the 0.7-0.8
-// us fill of its counter) persistent / 4-warp / SDPA cuDNN, benchmarks/decode_pairs_ab.py
-// (results/decode_persistent_NVIDIA-H200_2026-12-03.md):
+// us fill of its counter) persistent / 4-warp / SDPA cuDNN, lab/decode_pairs_ab.py
+// (lab/results/decode_persistent_NVIDIA-H200_2026-12-03.md):
 //
 //   B, L, Hkv      items  n  uniform                  ragged (persistent / 4-warp)
 //   24, 4096, 8     192   2  108.4 / 95.9 / 96.4      161.1 / 158.5

@@ -12,25 +12,31 @@
 //   wait()              block until the oldest pending tile is in shared memory, visible to
 //                       every thread
 //
+// A page id outside [0, num_pages) is never followed: its rows are zero-filled like rows past
+// kv_end, and the loader's `poisoned` flag is set (the kernel writes the rows of that sequence as
+// NaN, variant.cuh). So no block-table value makes a copy read outside the pools.
+//
 // 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
 // page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
-// launcher), the head and column part once. Rows past kv_end are zero-filled (their scores are
-// masked, but P V multiplies them by 0 and 0 * NaN would be NaN). Shared rows follow the traits'
-// layout: Traits::kWgmmaTiles (swizzled_128b_tile_offset, for wgmma), else Traits::kSwizzle and
-// Traits::kRowStride (tile_offset); both in device_primitives.cuh.
+// launcher), the head and column part once. Where the threads do not divide into whole rows
+// (D = 96: 12 chunks a row), each copy takes its own (row, chunk) of the tile instead. Rows past
+// kv_end are zero-filled (their scores are masked, but P V multiplies them by 0 and 0 * NaN would
+// be NaN). Shared rows follow the traits' layout: Traits::kWgmmaTiles (swizzled_128b_tile_offset,
+// for wgmma), else Traits::kSwizzle and Traits::kRowStride (tile_offset); both in
+// device_primitives.cuh.
 //
-// Measured alternatives (benchmarks/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
+// Measured alternatives (lab/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
 // completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower; TMA
 // boxes of whole pages (128-byte swizzled, 2-8 KB, on an mbarrier per stage) ran decode 0.91-0.995x
-// as fast (H200, results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
+// as fast (H200, lab/results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "device_primitives.cuh"
-#include "paged_attention_params.h"
+#include "../common/device_primitives.cuh"
+#include "params.h"
 
 namespace astrai::kernels {
 
@@ -42,6 +48,7 @@ struct KVTileSource {
   int v_page_bytes, v_slot_bytes;
   const int32_t* block_table;  // this sequence's row of the block table
   int log2_page_size;
+  int num_pages;         // page ids outside [0, num_pages) are not read
   int kv_begin, kv_end;  // this block's kv range
   int tile_step;         // kv positions from one of the block's tiles to the next
   // lookup() reads page ids of positions below lookup_end only: kv_end, or for decode the block
@@ -65,6 +72,7 @@ __device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParam
   source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(T));
   source.block_table = p.block_table + seq * p.block_table_stride;
   source.log2_page_size = p.log2_page_size;
+  source.num_pages = p.num_pages;
   return source;
 }
 
@@ -75,11 +83,14 @@ struct KVTileLoader {
   static constexpr int kThreads = Traits::kThreads;
   static constexpr int kTileN = Traits::kTileN;
   static constexpr int kStages = Traits::kStages;
-  // Each thread copies the same 16-byte column of kCopies rows: row0 + i * kRowsPerPass.
+  // Each thread copies kCopies 16-byte chunks of the tile: where the threads divide into whole
+  // rows, the same column of rows row0 + i * kRowsPerPass; otherwise chunk tid + i * kThreads of
+  // the tile's rows read one after another.
   static constexpr int kCopies = kTileN * kChunks / kThreads;
-  static constexpr int kRowsPerPass = kThreads / kChunks;
-  static_assert(kThreads % kChunks == 0, "a thread's rows must keep one column");
+  static constexpr bool kOneColumn = kThreads % kChunks == 0;
+  static constexpr int kRowsPerPass = kOneColumn ? kThreads / kChunks : 0;
   static_assert((kTileN * kChunks) % kThreads == 0, "tile copy must divide evenly");
+  static_assert(kOneColumn || !Traits::kPageIdRing, "page-id ring: one column per thread");
 
   // Page ids: one tile ahead in registers (lookup), or from the ring (fetch_ids): kIdSlots tiles
   // of kTileN ids, tile t in slot t % kIdSlots.
@@ -92,28 +103,39 @@ struct KVTileLoader {
   KVTileSource src;
   T* k_smem;
   T* v_smem;
-  const char* k_thread;  // k_head + this thread's column
+  const char* k_thread;  // k_head + this thread's column (kOneColumn)
   const char* v_thread;
   int row0, chunk, thread;
   int pages[kIdRing ? 1 : kCopies];
-  int32_t* id_ring;  // kIdRing: [kIdSlots][kTileN]
+  int32_t* id_ring;       // kIdRing: [kIdSlots][kTileN]
+  bool poisoned = false;  // a copy met a page id outside the pool
 
   __device__ __forceinline__ KVTileLoader(const KVTileSource& source, T* k_stages, T* v_stages,
                                           int tid, int32_t* page_id_ring = nullptr)
       : src(source), k_smem(k_stages), v_smem(v_stages), id_ring(page_id_ring) {
-    row0 = tid / kChunks;
-    chunk = tid % kChunks;
+    row0 = kOneColumn ? tid / kChunks : 0;
+    chunk = kOneColumn ? tid % kChunks : 0;
     thread = tid;
     k_thread = thread_column(src.k_head);
     v_thread = thread_column(src.v_head);
   }
 
+  // Row and chunk of the tile that copy i of this thread takes.
+  __device__ __forceinline__ int copy_row(int i) const {
+    if constexpr (kOneColumn) return row0 + i * kRowsPerPass;
+    return (thread + i * kThreads) / kChunks;
+  }
+  __device__ __forceinline__ int copy_chunk(int i) const {
+    if constexpr (kOneColumn) return chunk;
+    return (thread + i * kThreads) % kChunks;
+  }
+
   __device__ __forceinline__ void lookup(int tile) {
     static_assert(!kIdRing, "lookup: page ids in registers");
-    const int pos0 = src.kv_begin + tile * src.tile_step + row0;
+    const int pos0 = src.kv_begin + tile * src.tile_step;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int pos = pos0 + i * kRowsPerPass;
+      const int pos = pos0 + copy_row(i);
       pages[i] = pos < src.lookup_end ? src.block_table[pos >> src.log2_page_size] : 0;
     }
   }
@@ -136,47 +158,58 @@ struct KVTileLoader {
     }
   }
 
-  // This thread's column of a (sequence, kv head)'s rows: head + its 16-byte chunk.
+  // This thread's column of a (sequence, kv head)'s rows: head + its 16-byte chunk (the row
+  // start where copies take their own chunks).
   __device__ __forceinline__ const char* thread_column(const char* head) const {
-    return head + chunk * 8 * (int)sizeof(T);
+    return head + chunk * 16;
   }
 
   __device__ __forceinline__ void issue(int tile, int stage) {
-    issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile);
+    issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile, poisoned);
   }
   // The same for another (sequence, kv head): its columns (thread_column) and kv end, page ids
   // from the ring slot of tile slot_tile.
+  // poison: the flag that a page id outside the pool sets (the persistent decode keeps one per
+  // item in flight; the other kernels the loader's own).
   __device__ __forceinline__ void issue_at(const char* k_column, const char* v_column, int kv_end,
-                                           int tile, int stage, int slot_tile) {
-    const int pos0 = src.kv_begin + tile * src.tile_step + row0;
+                                           int tile, int stage, int slot_tile, bool& poison) {
+    const int pos0 = src.kv_begin + tile * src.tile_step;
     const int page_mask = (1 << src.log2_page_size) - 1;
     T* k_dst = k_smem + stage * Traits::kTileElements;
     T* v_dst = v_smem + stage * Traits::kTileElements;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int pos = pos0 + i * kRowsPerPass;
+      const int row = copy_row(i);
+      const int pos = pos0 + row;
       // Rows past kv_end read nothing (zero fill); page 0 keeps their address a plain pool
-      // address (their looked-up id may be anything).
-      const bool valid = pos < kv_end;
+      // address (their looked-up id may be anything). So do rows whose page id is not a page of
+      // the pool (unsigned compare: negative ids too).
+      bool valid = pos < kv_end;
       int page = 0;
       if (valid) {
         if constexpr (kIdRing)
-          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN +
-                         ((row0 + i * kRowsPerPass) >> src.log2_page_size)];
+          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + (row >> src.log2_page_size)];
         else
           page = pages[i];
+        if (static_cast<unsigned>(page) >= static_cast<unsigned>(src.num_pages)) {
+          poison = true;
+          valid = false;
+          page = 0;
+        }
       }
       const int slot = pos & page_mask;
+      const int column = copy_chunk(i);
+      const char* k_base = kOneColumn ? k_column : k_column + column * 16;
+      const char* v_base = kOneColumn ? v_column : v_column + column * 16;
       const char* k_src =
-          k_column + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
+          k_base + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
       const char* v_src =
-          v_column + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
-      const int row = row0 + i * kRowsPerPass;
+          v_base + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
       int offset;
       if constexpr (Traits::kWgmmaTiles)
-        offset = swizzled_128b_tile_offset<kTileN>(row, chunk);
+        offset = swizzled_128b_tile_offset<kTileN>(row, column);
       else
-        offset = tile_offset<D, Traits::kSwizzle>(row, chunk);
+        offset = tile_offset<D, Traits::kSwizzle>(row, column);
       cp_async_16(shared_address(k_dst + offset), k_src, valid);
       cp_async_16(shared_address(v_dst + offset), v_src, valid);
     }

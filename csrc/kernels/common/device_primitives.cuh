@@ -109,6 +109,26 @@ __device__ __forceinline__ void group_barrier() {
   }
 }
 
+// group_barrier that also ORs `predicate` over the group: true in every thread when any thread of
+// the group passed true (bar.red.or; __syncthreads_or for one group).
+template <int kGroups, int kGroupThreads>
+__device__ __forceinline__ bool group_barrier_or(bool predicate) {
+  if constexpr (kGroups == 1) {
+    return __syncthreads_or(predicate) != 0;
+  } else {
+    static_assert(kGroupThreads % 32 == 0 && kGroups < 16, "named barriers of whole warps");
+    const int id = 1 + static_cast<int>(threadIdx.x) / kGroupThreads;
+    uint32_t result;
+    asm volatile(
+        "{\n.reg .pred in, out;\nsetp.ne.u32 in, %1, 0;\n"
+        "bar.red.or.pred out, %2, %3, in;\nselp.u32 %0, 1, 0, out;\n}\n"
+        : "=r"(result)
+        : "r"(static_cast<uint32_t>(predicate)), "r"(id), "n"(kGroupThreads)
+        : "memory");
+    return result != 0;
+  }
+}
+
 // Thread-block clusters (sm_90): the block's rank in its cluster, a barrier over every thread of
 // the cluster (release / acquire: shared-memory writes before it are visible to the cluster's
 // blocks after it), and the address of the same shared-memory object in the block of another rank

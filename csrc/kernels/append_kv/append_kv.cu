@@ -1,7 +1,7 @@
 // KV append: copies each new token's k/v rows into its cache slot, 16 bytes per thread.
 #include <cuda_runtime.h>
 
-#include "launch.h"
+#include "append_kv.h"
 
 namespace astrai::kernels {
 
@@ -46,16 +46,7 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendKVParams p, int e
 }  // namespace
 
 LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream) {
-  int element_size = 0;
-  switch (params.dtype) {
-    case ScalarType::kFloat16:
-    case ScalarType::kBFloat16:
-      element_size = 2;
-      break;
-    case ScalarType::kFloat32:
-      element_size = 4;
-      break;
-  }
+  const int element_size = element_bytes(params.dtype);
   if (element_size == 0) return {"append_kv: unsupported dtype"};
   const int row_bytes = params.head_dim * element_size;
   if (row_bytes % 16 != 0)
