@@ -1,8 +1,8 @@
 """Where a decode call's time goes, astrai's cuda backend against SDPA cuDNN (GPU diagnostic).
 
-    python3 benchmarks/decode_fixed_cost.py [--batch 16] [--lengths 512,2048,8192]
+    python3 lab/decode_fixed_cost.py [--batch 16] [--lengths 512,2048,8192]
 
-For each length, times four ways of making the call with bench_attention.py's timer (L2 emptied
+For each length, times four ways of making the call with benchmarks/harness.py's timer (L2 emptied
 by a read before each run, CUDA events, medians): through the resolver (torch.ops.astr.attention),
 the cuda backend's op directly (torch.ops.astr.cuda_paged_attention), SDPA cuDNN on the
 equivalent contiguous cache, and each of them replayed from a CUDA graph (no host work in the
@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_attention as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import harness  # noqa: E402
 
 
-def kernel_us(fn, timer: bench.Timer, runs: int = 10) -> dict:
+def kernel_us(fn, timer: harness.Timer, runs: int = 10) -> dict:
     """Median device time per kernel name over `runs` calls (each after an L2 flush)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,7 +60,7 @@ def graphed(fn):
     return graph.replay
 
 
-def measure_length(batch: int, length: int, timer: bench.Timer) -> None:
+def measure_length(batch: int, length: int, timer: harness.Timer) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hq, hkv, d = 32, 8, 128
@@ -70,8 +70,8 @@ def measure_length(batch: int, length: int, timer: bench.Timer) -> None:
     v = torch.randn_like(k)
     k_tokens = k.transpose(1, 2).reshape(batch * length, hkv, d)
     v_tokens = v.transpose(1, 2).reshape(batch * length, hkv, d)
-    cache = bench.build_paged_cache(k_tokens, v_tokens, [length] * batch, 16)
-    cache["query_start_loc"] = bench.query_start_loc([1] * batch, "cuda")
+    cache = harness.build_paged_cache(k_tokens, v_tokens, [length] * batch, 16)
+    cache["query_start_loc"] = harness.query_start_loc([1] * batch, "cuda")
     q_sdpa = q.view(batch, hq, 1, d)
     op_args = (
         q,
@@ -100,7 +100,7 @@ def measure_length(batch: int, length: int, timer: bench.Timer) -> None:
     }
     for name in list(calls):
         calls[name + ", graph"] = graphed(calls[name])
-    nbytes = bench.decode_bytes(batch, length, hq, hkv, d)
+    nbytes = harness.decode_bytes(batch, length, hq, hkv, d)
     for name, fn in calls.items():
         ms = timer.measure(fn)["ms"]
         kernels = kernel_us(fn, timer)
@@ -119,11 +119,9 @@ def main() -> None:
     args = parser.parse_args()
     import astrai.extension  # noqa: F401  (loads the library)
 
-    timer = bench.Timer(warmup=5, repeats=40)
+    timer = harness.Timer(warmup=5, repeats=40)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    print(
-        f"`python3 benchmarks/decode_fixed_cost.py --batch {args.batch} --lengths {args.lengths}`\n"
-    )
+    print(f"`python3 lab/decode_fixed_cost.py --batch {args.batch} --lengths {args.lengths}`\n")
     print("| B | L | call | event us | TB/s | kernels (device us) |")
     print("|---|---|---|---|---|---|")
     for length in (int(x) for x in args.lengths.split(",")):

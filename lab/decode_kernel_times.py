@@ -1,7 +1,7 @@
 """Decode diagnostics for the cuda backend (a measurement run on the GPU, not part of the bench).
 
-    python3 benchmarks/decode_kernel_times.py [--layouts NHD,HND] [--orders shuffled,inorder]
-                                              [--shapes 1x32768,16x4096,32x4096x32]
+    python3 lab/decode_kernel_times.py [--layouts NHD,HND] [--orders shuffled,inorder]
+                                       [--shapes 1x32768,16x4096,32x4096x32]
 
 For each shape (BxL or BxLxHkv; bf16, Hq=32, Hkv=8 unless given, D=128, page 16) and each pool
 layout / page order:
@@ -12,13 +12,13 @@ layout / page order:
     consecutive), interleaved (page j of sequence b at j * B + b: what a pool gives sequences
     that grow together a page at a time), window (shuffled inside aligned windows of 64 pages,
     the windows in order), chunks (runs of 64 consecutive pages, the runs in a random order);
-the time of one decode call with bench_attention.py's timer (L2 flushed before every run, CUDA
+the time of one decode call with benchmarks/harness.py's timer (L2 flushed before every run, CUDA
 events, median), its TB/s, the error against torch_native, and the device time of each kernel
 (torch profiler, median of 10 flushed calls; with --kernel-times first, for the first layout
 and order only). Then SDPA cuDNN on a contiguous
 [B, Hkv, L, D] cache for scale (this call passes q as [B, Hq, 1, D] with enable_gqa, unlike
-bench_attention.py, and varied by +-20% between runs at B=1: use bench_attention.py for the
-comparison)."""
+benchmarks/bench_attention.py, and varied by +-20% between runs at B=1: use the benchmark for
+the comparison)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_attention as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import harness  # noqa: E402
 
 HQ, D, PAGE = 32, 128, 16
 WINDOW = 64  # pages: 64 x 16 slots x 8 heads x 128 x 2 bytes = 2 MiB of K at Hkv = 8
@@ -85,7 +85,7 @@ def paged_inputs(k, v, batch, length, layout, order):
         v_cache=caches[1],
         block_table=perm.view(batch, -1).to(torch.int32),
         seq_lens=torch.full((batch,), length, dtype=torch.int32, device="cuda"),
-        query_start_loc=bench.query_start_loc([1] * batch, "cuda"),
+        query_start_loc=harness.query_start_loc([1] * batch, "cuda"),
         max_query_len=1,
         mode="decode",
     )
@@ -130,10 +130,10 @@ def main() -> None:
     import astrai.extension  # noqa: F401  (loads the library)
 
     torch.manual_seed(0)
-    timer = bench.Timer(warmup=3, repeats=20)
+    timer = harness.Timer(warmup=3, repeats=20)
     for shape in args.shapes.split(","):
         batch, length, hkv = ([int(x) for x in shape.split("x")] + [8])[:3]
-        nbytes = bench.decode_bytes(batch, length, HQ, hkv, D)
+        nbytes = harness.decode_bytes(batch, length, HQ, hkv, D)
         q = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(batch * length, hkv, D, dtype=torch.bfloat16, device="cuda")
         v = torch.randn_like(k)

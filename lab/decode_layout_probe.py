@@ -1,7 +1,7 @@
 """Does the decode's speed depend on how the pool is laid out, or on a cold block table?
 (GPU diagnostic.)
 
-    python3 benchmarks/decode_layout_probe.py [--rounds 3] [--shapes BxLxHkv,...] [--out DIR]
+    python3 lab/decode_layout_probe.py [--rounds 3] [--shapes BxLxHkv,...] [--out DIR]
 
 The cuda backend reads any [P, S, Hkv, D] view whose last dim is contiguous, so one pool can be
 stored four ways and passed as such a view:
@@ -17,7 +17,7 @@ stored four ways and passed as such a view:
 this asks again of the current kernels, with two more layouts, a warm block table and SDPA cuDNN
 timed in the same rounds.)
 
-Each is timed cold (bench_attention.py's 256 MB read before every call) and warm (the same read,
+Each is timed cold (the harness's 256 MB read before every call) and warm (the same read,
 then the block table, seq_lens and q read again, as in a model whose previous layer just used
 them), next to SDPA cuDNN on the contiguous [B, H, L, D] cache (warm: q read again). Rounds of all
 variants alternate; the table holds medians over rounds of each round's median. Outputs match the
@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_attention as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import harness  # noqa: E402
 
 HQ, HEAD_DIM = 32, 128
 SHAPES = [  # (B, L, Hkv)
@@ -63,7 +63,7 @@ def stored_one_pool_per_head(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
 
 
-def probe_shape(timer: bench.Timer, batch: int, length: int, hkv: int, rounds: int) -> dict:
+def probe_shape(timer: harness.Timer, batch: int, length: int, hkv: int, rounds: int) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(batch, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -71,9 +71,9 @@ def probe_shape(timer: bench.Timer, batch: int, length: int, hkv: int, rounds: i
     v = torch.randn_like(k)
     k_tokens = k.transpose(1, 2).reshape(batch * length, hkv, HEAD_DIM)
     v_tokens = v.transpose(1, 2).reshape(batch * length, hkv, HEAD_DIM)
-    starts = bench.query_start_loc([1] * batch, "cuda")
-    nhd = dict(bench.build_paged_cache(k_tokens, v_tokens, [length] * batch, 16))
-    page64 = bench.build_paged_cache(k_tokens, v_tokens, [length] * batch, 64)
+    starts = harness.query_start_loc([1] * batch, "cuda")
+    nhd = dict(harness.build_paged_cache(k_tokens, v_tokens, [length] * batch, 16))
+    page64 = harness.build_paged_cache(k_tokens, v_tokens, [length] * batch, 64)
     del k_tokens, v_tokens
     caches = {
         "nhd": nhd,
@@ -127,10 +127,10 @@ def probe_shape(timer: bench.Timer, batch: int, length: int, hkv: int, rounds: i
                     timer.evict = lambda i, touch=touches[name]: (flush(i), touch())
                 times.setdefault((name, warm), []).append(timer.measure(calls[name])["ms"])
                 timer.evict = flush
-    nbytes = bench.decode_bytes(batch, length, HQ, hkv, HEAD_DIM)
+    nbytes = harness.decode_bytes(batch, length, HQ, hkv, HEAD_DIM)
     row = dict(B=batch, L=length, Hkv=hkv)
     for (name, warm), ms in times.items():
-        row[name + ("_warm" if warm else "")] = round(bench.median_round(ms, nbytes)[1], 3)
+        row[name + ("_warm" if warm else "")] = round(harness.median_round(ms, nbytes)[1], 3)
     return row
 
 
@@ -169,16 +169,16 @@ def main() -> None:
     import astrai.extension  # noqa: F401  (loads the library)
 
     torch.manual_seed(0)
-    timer = bench.Timer(warmup=3, repeats=args.repeats)
-    copy_bytes, copy_ms = bench._copy_ms(timer)
+    timer = harness.Timer(warmup=3, repeats=args.repeats)
+    copy_bytes, copy_ms = harness.copy_rate(timer)
     copy = copy_bytes / (copy_ms / 1e3) / 1e12
     rows = []
     for batch, length, hkv in shapes:
         rows.append(probe_shape(timer, batch, length, hkv, args.rounds))
         print(json.dumps(rows[-1]), flush=True)
-        bench.free_cached()
+        harness.free_cached()
     env = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    command = "python3 benchmarks/decode_layout_probe.py --rounds " + str(args.rounds)
+    command = "python3 lab/decode_layout_probe.py --rounds " + str(args.rounds)
     if args.shapes:
         command += " --shapes " + args.shapes
     text = markdown(rows, copy, env, command)

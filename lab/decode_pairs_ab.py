@@ -1,3 +1,8 @@
+# Lab probe, frozen: it runs only at commit 2be0c0e (as benchmarks/decode_pairs_ab.py there).
+# It sets the ASTR_TUNE_KERNELS / ASTR_DECODE_* switches,
+# which ASTR_KERNEL_TUNING replaces (issue 27).
+# To run it: `git worktree add /tmp/at-2be0c0e 2be0c0e`, build the library there and run the
+# command below from that checkout (it imports that commit's benchmarks/bench_attention.py).
 """Decode at 2 splits: block pairs against eight-warp blocks, cluster pairs, the merge kernel and
 SDPA cuDNN (GPU).
 

@@ -1,3 +1,8 @@
+# Lab probe, frozen: it runs only at commit 2be0c0e (as benchmarks/decode_timeline.py there).
+# It reads the stamps of the ASTR_DECODE_TIMELINE=1 build
+# (csrc/kernels/decode_timeline.cuh), which issue 27 removes from the product kernels.
+# To run it: `git worktree add /tmp/at-2be0c0e 2be0c0e`, build the library there and run the
+# command below from that checkout (it imports that commit's benchmarks/bench_attention.py).
 """Where inside the decode kernel the time goes, block by block (GPU diagnostic).
 
     ASTR_DECODE_TIMELINE=1 pip install --no-build-isolation -e .   # the instrumented build

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_attention as bench  # noqa: E402
+import harness  # noqa: E402
 
 import astrai.extension  # noqa: E402,F401
 
@@ -17,8 +17,8 @@ for batch, length in SHAPES:
     torch.manual_seed(0)
     q = torch.randn(batch, 32, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(batch * length, 8, 128, dtype=torch.bfloat16, device="cuda")
-    cache = bench.build_paged_cache(k, torch.randn_like(k), [length] * batch, 16)
-    cache["query_start_loc"] = bench.query_start_loc([1] * batch, "cuda")
+    cache = harness.build_paged_cache(k, torch.randn_like(k), [length] * batch, 16)
+    cache["query_start_loc"] = harness.query_start_loc([1] * batch, "cuda")
     for _ in range(2):
         torch.ops.astr.attention(q, backend="cuda", max_query_len=1, mode="decode", **cache)
     torch.cuda.synchronize()

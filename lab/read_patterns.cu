@@ -21,7 +21,7 @@
 // 256 MB read of another buffer ("clean"), or by the write alone ("dirty", whose write-back then
 // lands inside the timed launch).
 //
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 benchmarks/read_patterns.cu \
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 lab/read_patterns.cu \
 //       -o /tmp/read_patterns && /tmp/read_patterns [details | strategies | kvsplit | layouts |
 //       streamk]
 //
