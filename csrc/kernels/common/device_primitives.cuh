@@ -199,7 +199,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // the 8 rows of an ldmatrix again hit 8 distinct chunk positions of a 128-byte line. Costs an
 // address register per fragment column, but every row (and every 32-byte sector a cp.async
 // brings in) lands aligned: with the padded layout, rows at 272-byte pitch, a streaming kernel
-// read global memory 7-8% slower (H200 microbenchmark, benchmarks/NOTES.md), so decode uses this.
+// read global memory 7-8% slower (H200 microbenchmark, lab/NOTES.md), so decode uses this.
 template <int kHeadDim, bool kSwizzle>
 __device__ __forceinline__ int tile_offset(int row, int chunk) {
   static_assert(!kSwizzle || kHeadDim >= 64, "the swizzle permutes 8 chunks of a row");

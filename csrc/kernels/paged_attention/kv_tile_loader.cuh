@@ -28,7 +28,7 @@
 // Measured alternatives (lab/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
 // completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower; TMA
 // boxes of whole pages (128-byte swizzled, 2-8 KB, on an mbarrier per stage) ran decode 0.91-0.995x
-// as fast (H200, lab/results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md).
+// as fast (H200, lab/NOTES.md).
 #pragma once
 
 #include <cuda_runtime.h>

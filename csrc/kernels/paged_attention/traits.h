@@ -19,7 +19,7 @@
 // can share one block as two such groups of warps (kGroups below), merged in its shared memory.
 // SDPA cuDNN's shape (128-position tiles, one block of 4 warps per SM, no split at B >= 16)
 // measured 0.92-0.985x of these 64-position tiles in this kernel
-// (results/decode_tma_and_wide_tiles_NVIDIA-H200_2026-12-03.md). One group of 8 warps over
+// (lab/NOTES.md). One group of 8 warps over
 // 128-position tiles (kWarps below), one block per SM with the page ids two tiles ahead in shared
 // memory, is what runs at one wave in place of the block pairs up to 16384 positions
 // (plan.h has the rule and its measurements).
@@ -78,9 +78,9 @@ struct PagedAttentionTraits {
   // or 4, and they were slower: at D = 128 3 stages ran 0.5-2.9% slower (H200, bf16, block pairs
   // and single blocks alike), not by bytes in flight alone, as 3 blocks of 2 stages per SM
   // request as many bytes as 2 blocks of 3 and were as fast as 2 blocks of 2
-  // (results/decode_two_stages_NVIDIA-H200_2026-12-03.md); at D = 64 4 stages ran up to 3.5%
+  // (lab/NOTES.md); at D = 64 4 stages ran up to 3.5%
   // slower than 2 at 3 blocks per SM, and 3 stages up to 2.5% slower at 4 blocks per SM
-  // (results/decode_head_dim_64_NVIDIA-H200_2026-12-03.md). Prefill is compute-bound: double
+  // (lab/NOTES.md). Prefill is compute-bound: double
   // buffering.
   static constexpr int kStages = 2;
 
@@ -105,7 +105,7 @@ struct PagedAttentionTraits {
   // Page ids from a ring in shared memory instead of registers (paged_kv_tile_loader.cuh): the
   // eight-warp decode block. A single group per SM waits for its page ids where two groups hide
   // that wait behind each other (the ring took one group of 4 warps 4.4-5.9% faster,
-  // results/decode_one_group_per_sm_NVIDIA-H200_2026-12-03.md). The ring holds kPageIdSlots tiles
+  // lab/NOTES.md). The ring holds kPageIdSlots tiles
   // of kTileN ids (one per row, at page size 1), after the V stages.
   static constexpr bool kPageIdRing = kDecode && kWarps == 8;
   static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
