@@ -27,6 +27,7 @@ depend on transformers internals that change between minor releases.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import warnings
@@ -35,7 +36,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from astrai.extension import StepMetadata, attention
+from astrai.extension import StepMetadata, attention, attn_backend
+from astrai.extension.backend.base import CONTEXT
 
 try:
     import transformers
@@ -52,6 +54,8 @@ NAME = "astrai"
 PAGED_NAME = "paged|astrai"
 TESTED_TRANSFORMERS = (">=5.17", "<5.26")
 _NAMES = (NAME, PAGED_NAME)
+# transformers' own paged attention, to compare with: "paged|sdpa" up to 5.18, "sdpa" after.
+TRANSFORMERS_PAGED = "paged|sdpa" if Version(transformers.__version__) < Version("5.19") else "sdpa"
 # Where the update hook (transformers >= 5.19) leaves a full-attention layer's pools for us.
 _PAGED_LAYER_KEY = "astrai_paged_layer"
 _GATHERED_KEY = "astrai_gathered_window"
@@ -500,6 +504,34 @@ def _install_continuous_batching_hooks() -> None:
         PagedAttentionCache.update = update
 
 
+def _install_backend_context_hook() -> None:
+    """Continuous batching runs the model on transformers' own thread, and astrai's
+    ``attn_backend`` contexts belong to a thread: carry the contexts of the thread that starts
+    the manager (``generate_batch``, ``init_continuous_batching``) over to its loop."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    manager = continuous_api.ContinuousBatchingManager
+    original_start = manager.start
+    if getattr(original_start, "_astrai_hook", False):
+        return
+
+    def start(self, *args, **kwargs):
+        self._astrai_backends = list(CONTEXT.backends)
+        return original_start(self, *args, **kwargs)
+
+    original_loop = manager._run_generation_loop
+
+    def _run_generation_loop(self, *args, **kwargs):
+        with contextlib.ExitStack() as contexts:
+            for backend in getattr(self, "_astrai_backends", ()):
+                contexts.enter_context(attn_backend(backend))
+            return original_loop(self, *args, **kwargs)
+
+    start._astrai_hook = True
+    manager.start = start
+    manager._run_generation_loop = _run_generation_loop
+
+
 def _check_version() -> None:
     version = Version(transformers.__version__)
     low, high = (Version(bound.lstrip("<>=")) for bound in TESTED_TRANSFORMERS)
@@ -520,12 +552,14 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, attention_mask)
     AttentionMaskInterface.register(PAGED_NAME, attention_mask)
     _install_continuous_batching_hooks()
+    _install_backend_context_hook()
 
 
 __all__ = [
     "NAME",
     "PAGED_NAME",
     "TESTED_TRANSFORMERS",
+    "TRANSFORMERS_PAGED",
     "attention_forward",
     "attention_mask",
     "register",

@@ -30,8 +30,7 @@ from astrai.extension import AttentionBackend, attention, attn_backend  # noqa: 
 astrai_transformers.register()
 
 VERSION = Version(transformers.__version__)
-# transformers' own paged implementation: "paged|sdpa" up to 5.18, the plain name after.
-PAGED_REFERENCE = "paged|sdpa" if VERSION < Version("5.19") else "sdpa"
+PAGED_REFERENCE = astrai_transformers.TRANSFORMERS_PAGED
 ATTENTION_PARAMETERS = inspect.signature(attention).parameters
 VOCAB = 128
 
@@ -257,6 +256,29 @@ def test_an_attn_backend_context_applies_inside_the_model():
         ours = logits_with(model, "astrai", ids, mask)
     assert backend.calls == 2  # one call per layer went through the context's backend
     torch.testing.assert_close(ours[:, -5:], reference[:, -5:], atol=2e-5, rtol=1e-5)
+
+
+class PagedRecordingBackend(AttentionBackend):
+    """A backend written in Python for paged calls: counts them and runs them on torch_native."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(
+        self, q, k, v, kv_cache=None, layer_id=0, attn_mask=None, is_causal=False, fwd=None
+    ):
+        self.calls += 1
+        return attention(
+            q,
+            k,
+            v,
+            kv_cache=kv_cache,
+            layer_id=layer_id,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            fwd=fwd,
+            backend="torch_native",
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a strict choice that cannot run")
@@ -534,3 +556,13 @@ def test_gpu_continuous_batching_decode_runs_astrai_cuda_kernels():
     assert any("paged_decode" in name or "paged_attention" in name for name in kernels), sorted(
         kernels
     )
+
+
+def test_an_attn_backend_context_reaches_continuous_batching_on_its_own_thread():
+    model = tiny_llama()
+    reference = generate_batch(model, PAGED_REFERENCE, steps=4, lengths=(5, 9))
+    backend = PagedRecordingBackend()
+    with attn_backend(backend):
+        ours = generate_batch(model, astrai_transformers.PAGED_NAME, steps=4, lengths=(5, 9))
+    assert ours == reference
+    assert backend.calls > 0
