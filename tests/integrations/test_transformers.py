@@ -404,9 +404,13 @@ def continuous_batching_config(page_size=8, num_blocks=96, max_batch_tokens=24):
 RAGGED_PROMPT_LENGTHS = (3, 17, 9, 33, 1, 26)
 
 
-def generate_batch(model, implementation, steps=10, lengths=RAGGED_PROMPT_LENGTHS, page_size=8):
+def ragged_prompts(lengths=RAGGED_PROMPT_LENGTHS):
     torch.manual_seed(11)
-    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in lengths]
+    return [torch.randint(0, VOCAB, (n,)).tolist() for n in lengths]
+
+
+def generate_batch(model, implementation, steps=10, lengths=RAGGED_PROMPT_LENGTHS, page_size=8):
+    prompts = ragged_prompts(lengths)
     model.set_attn_implementation("sdpa")
     model.config._attn_implementation = implementation
     config = GenerationConfig(max_new_tokens=steps, do_sample=False, pad_token_id=0)
@@ -499,28 +503,64 @@ def test_dense_use_after_continuous_batching_is_unchanged():
     torch.testing.assert_close(logits_with(model, "astrai", ids), before)
 
 
+def test_an_attn_backend_context_reaches_continuous_batching_on_its_own_thread():
+    model = tiny_llama()
+    reference = generate_batch(model, PAGED_REFERENCE, steps=4, lengths=(5, 9))
+    backend = PagedRecordingBackend()
+    with attn_backend(backend):
+        ours = generate_batch(model, astrai_transformers.PAGED_NAME, steps=4, lengths=(5, 9))
+    assert ours == reference
+    assert backend.calls > 0
+
+
 # -- H200 (bf16) ------------------------------------------------------------------------------
 
 
-def gpu_llama(**overrides):
-    # head_dim 64: a head dim astrai's cuda kernels serve. A wide initialisation keeps the top
-    # logits apart by far more than bf16 rounding, so greedy choices are not near-ties.
-    return tiny_llama(
-        device="cuda", dtype=torch.bfloat16, head_dim=64, initializer_range=0.2, **overrides
-    )
+def gpu_llama(dtype=torch.bfloat16, **overrides):
+    # head_dim 64: a head dim astrai's cuda kernels serve.
+    return tiny_llama(device="cuda", dtype=dtype, head_dim=64, initializer_range=0.2, **overrides)
+
+
+def assert_same_up_to_near_ties(model, prompts, reference, tokens, tolerance=0.05):
+    """Two bf16 implementations may pick different tokens where the true top two are within
+    bf16 rounding. Where a sequence first differs, a float32 copy of the model (dense SDPA) must
+    rank the two tokens within ``tolerance`` standard deviations of its logits; the rest of that
+    sequence is not compared (it continues from another token). Most sequences must match."""
+    exact = type(model)(model.config).to("cuda").float().eval()
+    exact.load_state_dict({name: w.float() for name, w in model.state_dict().items()})
+    exact.set_attn_implementation("sdpa")
+    identical = 0
+    for prompt, want, got in zip(prompts, reference, tokens):
+        assert len(want) == len(got)
+        step = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if step is None:
+            identical += 1
+            continue
+        with torch.no_grad():
+            logits = exact(torch.tensor([prompt + want[:step]], device="cuda")).logits[0, -1]
+        gap = (logits[want[step]] - logits[got[step]]).abs()
+        assert gap <= tolerance * logits.std(), (len(prompt), step, gap.item(), logits.std().item())
+    assert identical >= len(prompts) // 2, f"only {identical}/{len(prompts)} sequences identical"
 
 
 @pytest.mark.cuda
 def test_gpu_dense_logits_gradients_padding_and_generation_match_sdpa():
     model = gpu_llama()
-    ids, mask = left_padded_batch([24, 15, 8], 24)
+    lengths, total = [24, 15, 8], 24
+    ids, mask = left_padded_batch(lengths, total)
     ids, mask = ids.cuda(), mask.cuda()
     reference = logits_with(model, "sdpa", ids, mask)
     ours = logits_with(model, "astrai", ids, mask)
-    for row, length in enumerate([24, 15, 8]):
-        real = slice(24 - length, 24)
+    for row, length in enumerate(lengths):
+        real = slice(total - length, total)
         torch.testing.assert_close(ours[row, real], reference[row, real], atol=5e-2, rtol=2e-2)
-    assert torch.equal(greedy(model, "astrai", ids, mask), greedy(model, "sdpa", ids, mask))
+    prompts = [ids[row, total - n :].tolist() for row, n in enumerate(lengths)]
+    assert_same_up_to_near_ties(
+        model,
+        prompts,
+        greedy(model, "sdpa", ids, mask).tolist(),
+        greedy(model, "astrai", ids, mask).tolist(),
+    )
 
     def q_grad(implementation):
         trained = gpu_llama()
@@ -534,15 +574,43 @@ def test_gpu_dense_logits_gradients_padding_and_generation_match_sdpa():
     assert error < 2e-2
 
 
+GPU_PROMPT_LENGTHS = (5, 40, 17, 90, 1, 63, 33, 8)
+
+
 @pytest.mark.cuda
-def test_gpu_continuous_batching_matches_transformers_paged_sdpa():
+def test_gpu_continuous_batching_in_float32_gives_transformers_tokens():
+    """float32 on the GPU (astrai's torch_native over transformers' pages): exact."""
+    model = gpu_llama(dtype=torch.float32)
+    run = dict(steps=24, lengths=GPU_PROMPT_LENGTHS, page_size=16)
+    reference = generate_batch(model, PAGED_REFERENCE, **run)
+    assert generate_batch(model, astrai_transformers.PAGED_NAME, **run) == reference
+
+
+@pytest.mark.cuda
+def test_gpu_continuous_batching_bf16_matches_transformers_up_to_near_ties():
     model = gpu_llama()
-    lengths = (5, 40, 17, 90, 1, 63, 33, 8)
-    reference = generate_batch(model, PAGED_REFERENCE, steps=24, lengths=lengths, page_size=16)
-    ours = generate_batch(
-        model, astrai_transformers.PAGED_NAME, steps=24, lengths=lengths, page_size=16
-    )
-    assert ours == reference
+    run = dict(steps=24, lengths=GPU_PROMPT_LENGTHS, page_size=16)
+    reference = generate_batch(model, PAGED_REFERENCE, **run)
+    ours = generate_batch(model, astrai_transformers.PAGED_NAME, **run)
+    assert_same_up_to_near_ties(model, ragged_prompts(GPU_PROMPT_LENGTHS), reference, ours)
+
+
+@pytest.mark.cuda
+def test_gpu_control_continuous_batching_fails_the_check_when_the_cache_is_ignored(monkeypatch):
+    model = gpu_llama()
+    run = dict(steps=24, lengths=GPU_PROMPT_LENGTHS, page_size=16)
+    reference = generate_batch(model, PAGED_REFERENCE, **run)
+    original = astrai_transformers._full_attention_step
+
+    def without_cache(*args, **kwargs):
+        step = original(*args, **kwargs)
+        step.seq_lens = step.query_start_loc[1:] - step.query_start_loc[:-1]
+        return step
+
+    monkeypatch.setattr(astrai_transformers, "_full_attention_step", without_cache)
+    ours = generate_batch(model, astrai_transformers.PAGED_NAME, **run)
+    with pytest.raises(AssertionError):
+        assert_same_up_to_near_ties(model, ragged_prompts(GPU_PROMPT_LENGTHS), reference, ours)
 
 
 @pytest.mark.cuda
@@ -553,16 +621,4 @@ def test_gpu_continuous_batching_decode_runs_astrai_cuda_kernels():
         generate_batch(model, astrai_transformers.PAGED_NAME, steps=8, lengths=(4, 6, 9))
     kernels = {event.name for event in profile.events() if event.device_type.name == "CUDA"}
     assert any("append_kv" in name for name in kernels), sorted(kernels)
-    assert any("paged_decode" in name or "paged_attention" in name for name in kernels), sorted(
-        kernels
-    )
-
-
-def test_an_attn_backend_context_reaches_continuous_batching_on_its_own_thread():
-    model = tiny_llama()
-    reference = generate_batch(model, PAGED_REFERENCE, steps=4, lengths=(5, 9))
-    backend = PagedRecordingBackend()
-    with attn_backend(backend):
-        ours = generate_batch(model, astrai_transformers.PAGED_NAME, steps=4, lengths=(5, 9))
-    assert ours == reference
-    assert backend.calls > 0
+    assert any("paged_decode" in name for name in kernels), sorted(kernels)
