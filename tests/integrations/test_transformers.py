@@ -25,7 +25,7 @@ from transformers import (  # noqa: E402
 )
 
 import astrai.integrations.transformers as astrai_transformers  # noqa: E402
-from astrai.extension import AttentionBackend, attention, attn_backend  # noqa: E402
+from astrai.extension import AttentionBackend, attention, attn_backend, explain  # noqa: E402
 
 astrai_transformers.register()
 
@@ -521,14 +521,16 @@ def gpu_llama(dtype=torch.bfloat16, **overrides):
     return tiny_llama(device="cuda", dtype=dtype, head_dim=64, initializer_range=0.2, **overrides)
 
 
-def assert_same_up_to_near_ties(model, prompts, reference, tokens, tolerance=0.05):
-    """Two bf16 implementations may pick different tokens where the true top two are within
-    bf16 rounding. Where a sequence first differs, a float32 copy of the model (dense SDPA) must
-    rank the two tokens within ``tolerance`` standard deviations of its logits; the rest of that
-    sequence is not compared (it continues from another token). Most sequences must match."""
+def assert_same_up_to_near_ties(model, prompts, reference, tokens):
+    """Two bf16 implementations may pick different tokens where the true top two are closer than
+    bf16's own error. Where a sequence first differs, a float32 copy of the model must rank the
+    two tokens closer than twice the error of the bf16 model's logits there (transformers' SDPA,
+    against the float32 copy); the rest of that sequence is not compared (it continues from
+    another token). Most sequences must match."""
     exact = type(model)(model.config).to("cuda").float().eval()
     exact.load_state_dict({name: w.float() for name, w in model.state_dict().items()})
     exact.set_attn_implementation("sdpa")
+    model.set_attn_implementation("sdpa")
     identical = 0
     for prompt, want, got in zip(prompts, reference, tokens):
         assert len(want) == len(got)
@@ -536,10 +538,12 @@ def assert_same_up_to_near_ties(model, prompts, reference, tokens, tolerance=0.0
         if step is None:
             identical += 1
             continue
+        prefix = torch.tensor([prompt + want[:step]], device="cuda")
         with torch.no_grad():
-            logits = exact(torch.tensor([prompt + want[:step]], device="cuda")).logits[0, -1]
+            logits = exact(prefix).logits[0, -1]
+            bf16_error = (model(prefix).logits[0, -1].float() - logits).abs().max()
         gap = (logits[want[step]] - logits[got[step]]).abs()
-        assert gap <= tolerance * logits.std(), (len(prompt), step, gap.item(), logits.std().item())
+        assert gap <= 2 * bf16_error, (len(prompt), step, gap.item(), bf16_error.item())
     assert identical >= len(prompts) // 2, f"only {identical}/{len(prompts)} sequences identical"
 
 
@@ -614,11 +618,22 @@ def test_gpu_control_continuous_batching_fails_the_check_when_the_cache_is_ignor
 
 
 @pytest.mark.cuda
-def test_gpu_continuous_batching_decode_runs_astrai_cuda_kernels():
+def test_gpu_continuous_batching_decode_runs_astrai_cuda_kernels(monkeypatch):
+    decisions = []
+
+    def explaining(q, k, v, kv_cache=None, **kwargs):
+        if kv_cache is not None:
+            arguments = {n: kwargs[n] for n in ("attn_mask", "is_causal", "fwd", "scale")}
+            decisions.append((kwargs["fwd"], explain(q, kv_cache=kv_cache, **arguments).backend))
+        return attention(q, k, v, kv_cache=kv_cache, **kwargs)
+
     model = gpu_llama()
     generate_batch(model, astrai_transformers.PAGED_NAME, steps=2, lengths=(4, 6))  # warm up
+    monkeypatch.setattr(astrai_transformers, "attention", explaining)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         generate_batch(model, astrai_transformers.PAGED_NAME, steps=8, lengths=(4, 6, 9))
+    assert ("decode", "cuda") in decisions and ("prefill", "cuda") in decisions
+    assert {backend for _, backend in decisions} == {"cuda"}
     kernels = {event.name for event in profile.events() if event.device_type.name == "CUDA"}
     assert any("append_kv" in name for name in kernels), sorted(kernels)
-    assert any("paged_decode" in name for name in kernels), sorted(kernels)
+    assert any("paged" in name for name in kernels), sorted(kernels)
