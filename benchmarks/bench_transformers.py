@@ -18,9 +18,9 @@ Prompts: ``--prompts`` random prompts of 64 to 2048 tokens (log-uniform, fixed s
 generating exactly ``--new-tokens`` greedy tokens (no end-of-sequence token). Each
 implementation runs once untimed on a few prompts, then ``--repeats`` timed runs; the best
 counts. Tokens per second = generated tokens / wall seconds of the whole ``generate_batch``
-(prefill included). The table also says how many sequences produced exactly the reference's
-greedy tokens (random weights: a near-tie can fork a sequence; a large count is the sanity
-check, not a proof).
+(prefill included). The JSON also records each run's tokens and how many sequences produced
+exactly the reference's greedy tokens (random weights give nearly flat logits: bf16 near-ties
+fork sequences early, so this count is no correctness check; the tests and the demo are).
 
 Outputs (under --out): bench_transformers_<gpu>_<date>.json and .md, with the command, GPU,
 torch, CUDA, transformers and astrai versions.
@@ -178,20 +178,25 @@ def write_report(out_dir: str, result: Dict) -> str:
         f"{max(setup['prompt_lengths'])} tokens ({sum(setup['prompt_lengths'])} in all), "
         f"{setup['new_tokens']} new tokens each; best of {setup['repeats']} timed runs.",
         "",
-        f"| implementation | tokens/s | seconds | vs {cell(reference)} | sequences identical to "
-        f"{cell(reference)} |",
-        "|---|---|---|---|---|",
+        f"| implementation | tokens/s | seconds | vs {cell(reference)} |",
+        "|---|---|---|---|",
     ]
     base = result["runs"].get(reference, {}).get("tokens_per_s")
     for implementation, run in result["runs"].items():
         if "error" in run:
-            lines.append(f"| {cell(implementation)} | error: {cell(run['error'])} | | | |")
+            lines.append(f"| {cell(implementation)} | error: {cell(run['error'])} | | |")
             continue
         ratio = f"{run['tokens_per_s'] / base:.2f}x" if base else ""
         lines.append(
             f"| {cell(implementation)} | {run['tokens_per_s']:.0f} | {run['seconds']:.2f} | "
-            f"{ratio} | {run['identical_sequences']}/{setup['prompts']} |"
+            f"{ratio} |"
         )
+    lines += [
+        "",
+        "Random weights give nearly flat logits, so two bf16 implementations fork at near-ties "
+        "early on; the JSON keeps each run's tokens and how many sequences match the reference "
+        "exactly. Agreement is checked by the tests and `make demo`, not here.",
+    ]
     with open(os.path.join(out_dir, name + ".md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     return os.path.join(out_dir, name + ".md")
