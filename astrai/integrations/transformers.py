@@ -56,7 +56,9 @@ TESTED_TRANSFORMERS = (">=5.17", "<5.26")
 _NAMES = (NAME, PAGED_NAME)
 # transformers' own paged attention, to compare with: "paged|sdpa" up to 5.18, "sdpa" after.
 TRANSFORMERS_PAGED = "paged|sdpa" if Version(transformers.__version__) < Version("5.19") else "sdpa"
-# Where the update hook (transformers >= 5.19) leaves a full-attention layer's pools for us.
+# Keys the cache update leaves in a continuous-batching call's kwargs for the attention: a
+# full-attention layer's pools, a rolling-buffer layer's gathered window (5.17, 5.18), and that
+# the update ran (our hook, 5.19 on).
 _PAGED_LAYER_KEY = "astrai_paged_layer"
 _GATHERED_KEY = "astrai_gathered_window"
 _UPDATED_KEY = "astrai_cache_updated"
@@ -431,6 +433,9 @@ def _continuous_batching_forward(
         step = _gathered_step(
             cu_seq_lens_q, cu_seq_lens_k, max_query_len, max_kv_len, num_tokens, k_pages.shape[0]
         )
+        if window is None:  # a model that passes no window: its config's
+            config = getattr(module, "config", None)
+            window = _layer_window(module, getattr(config, "sliding_window", None))
         if window is not None:
             if "window_left" in _ATTENTION_PARAMETERS:
                 variants["window_left"] = window - 1
