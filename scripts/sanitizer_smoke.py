@@ -5,7 +5,10 @@ be told to use (torch.ops.astr.set_kernel_tuning): 2 splits as block pairs (D = 
 thread-block cluster (sm_90) and with the merge kernel, 1 split as eight-warp blocks (D = 128) and
 as the persistent decode on 2 blocks (so each block claims several items), for short sequences and
 for one of 1500 tokens; prefills twice: on wgmma (where it runs) and on mma.sync. A form that
-cannot run a shape leaves the choice to the plan, as in the kernel tests."""
+cannot run a shape leaves the choice to the plan, as in the kernel tests. Then the variants
+(window, softcap, sinks, lse) through every form, and bad metadata (page ids outside the pool,
+lengths past the block table, negative lengths, a decreasing query_start_loc) that the kernels
+must survive without reading outside their tensors."""
 
 import torch
 
@@ -26,7 +29,7 @@ def paged_attention(tuning: str, *args):
     choice again afterwards."""
     torch.ops.astr.set_kernel_tuning(tuning)
     try:
-        return torch.ops.astr.cuda_paged_attention(*args)
+        return torch.ops.astr.cuda_paged_attention(*args)[0]
     finally:
         torch.ops.astr.set_kernel_tuning("")
 
@@ -34,7 +37,7 @@ def paged_attention(tuning: str, *args):
 def main() -> None:
     torch.manual_seed(0)
     device, dtype = "cuda", torch.bfloat16
-    for head_dim, page_size in ((64, 1), (128, 16), (256, 64)):
+    for head_dim, page_size in ((64, 1), (96, 16), (128, 16), (256, 64)):
         pages, kv_heads, q_heads = 64, 2, 8
         k_cache = torch.randn(pages, page_size, kv_heads, head_dim, device=device, dtype=dtype)
         v_cache = torch.randn_like(k_cache)
@@ -72,6 +75,37 @@ def main() -> None:
         for other in range(1, len(DECODE_FORMS)):
             assert torch.allclose(decodes[0].float(), decodes[other].float(), atol=2e-2)
             assert torch.allclose(long_decodes[0].float(), long_decodes[other].float(), atol=2e-2)
+        # The variants: a window, a softcap, sinks and the lse, through every form.
+        sinks = torch.randn(q_heads, device=device)
+        variants = (16, 3.0, sinks, True)
+        for form in DECODE_FORMS:
+            out = paged_attention(form, *long_decode, *variants)
+            assert torch.isfinite(out).all()
+        for kernel in PREFILL_KERNELS:
+            assert torch.isfinite(paged_attention(kernel, *prefill, *variants)).all()
+        # Bad metadata: never an access outside the tensors (the memory checker's part); the
+        # sequences concerned come back as NaN.
+        pool = k_cache.shape[0]
+        for bad_page in (-5, pool, 1 << 30):
+            table = block_table.clone()
+            table[2, 0] = bad_page
+            for form in DECODE_FORMS:
+                paged_attention(form, q[:3], k_cache, v_cache, table, *decode[4:])
+            for kernel in PREFILL_KERNELS:
+                paged_attention(kernel, q, k_cache, v_cache, table, *prefill[4:])
+        for lens in ([1, -7, 3], [1, 5, width * page_size + 100]):
+            bad_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            for form in DECODE_FORMS:
+                paged_attention(form, q[:3], k_cache, v_cache, block_table, bad_lens, *decode[5:])
+            for kernel in PREFILL_KERNELS:
+                args = (q, k_cache, v_cache, block_table, bad_lens, *prefill[5:])
+                paged_attention(kernel, *args)
+        for bad_starts in ([0, 4, 1, 8], [0, 1, 4, 40], [0, -3, 4, 8]):
+            starts_bad = torch.tensor(bad_starts, dtype=torch.int32, device=device)
+            for kernel in PREFILL_KERNELS:
+                args = (q, k_cache, v_cache, block_table, seq_lens, starts_bad, *prefill[6:])
+                paged_attention(kernel, *args)
+        torch.cuda.synchronize()
         print(f"head_dim {head_dim} page_size {page_size}: ok")
 
 
