@@ -66,6 +66,26 @@ void check_same_device(const at::Tensor& q, const at::Tensor& t, const char* nam
              " (the device of q), got ", t.device());
 }
 
+bool is_fp8(at::ScalarType type) {
+  return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+// A KV-cache pool: q's dtype, or FP8 (the same for both pools; read as stored * scale).
+void check_cache_like_q(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& k_cache,
+                        const char* name) {
+  if (is_fp8(k_cache.scalar_type())) {
+    ASTR_CHECK(pool.scalar_type() == k_cache.scalar_type(), name, ": expected dtype ",
+               k_cache.scalar_type(), " (k_cache's: an FP8 cache keeps both pools alike), got ",
+               pool.scalar_type());
+    check_same_device(q, pool, name);
+    return;
+  }
+  ASTR_CHECK(pool.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(),
+             " (the dtype of q) or an FP8 pool (float8_e4m3fn, float8_e5m2), got ",
+             pool.scalar_type());
+  check_same_device(q, pool, name);
+}
+
 void check_float_like_q(const at::Tensor& q, const at::Tensor& t, const char* name) {
   ASTR_CHECK(t.scalar_type() == q.scalar_type(), name, ": expected dtype ", q.scalar_type(),
              " (the dtype of q), got ", t.scalar_type());
@@ -197,8 +217,12 @@ void validate_paged(const AttentionArgs& a) {
     ASTR_CHECK(t->dim() == 4, name,
                ": expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got shape ",
                shape_string(*t));
-    check_float_like_q(q, *t, name);
+    check_cache_like_q(q, *t, k_cache, name);
   }
+  ASTR_CHECK_VALUE(!is_fp8(k_cache.scalar_type()) || (a.k_scale && a.v_scale),
+                   "k_scale, v_scale: an FP8 KV cache (", k_cache.scalar_type(),
+                   ") needs its float32 [kv_heads] scales (PagedKVCache.k_scales[layer] and "
+                   "v_scales[layer])");
   ASTR_CHECK(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
                  v_cache.size(2) == k_cache.size(2),
              "v_cache: shape ", shape_string(v_cache), " does not match k_cache's ",
@@ -390,6 +414,9 @@ Mode parse_mode(std::optional<c10::string_view> mode) {
 CallDescription validate_and_describe(const AttentionArgs& a) {
   ASTR_CHECK(a.q.is_floating_point(), "q: expected a floating-point tensor, got ",
              a.q.scalar_type());
+  ASTR_CHECK_VALUE(!is_fp8(a.q.scalar_type()), "q: an FP8 q is not supported (got ",
+                   a.q.scalar_type(),
+                   "): keep q, k and v in the model's dtype; the KV cache may be FP8");
   if (a.paged()) {
     validate_paged(a);
   } else {

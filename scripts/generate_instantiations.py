@@ -75,6 +75,10 @@ def read_config(path: str = CONFIG):
     return head_dims, q_types, kv_kinds
 
 
+# The kv kinds other than q's own that a family reads (config.h: ASTRAI_PAGED_KV_KINDS says why
+# only the decode forms read FP8).
+FP8_FAMILIES = ("paged_decode",)
+
 FAMILIES = {
     # family: (header, launch template, its extra parameters, the config flag it needs)
     "paged_decode": (
@@ -116,6 +120,8 @@ def instantiations(only_head_dim: Optional[int] = None):
                 continue
             for q in q_types:
                 for kv in kv_kinds:
+                    if kv.cuda_type is not None and family not in FP8_FAMILIES:
+                        continue
                     kv_type = kv.cuda_type or q.cuda_type
                     name = f"{family}_hdim{hd.head_dim}_{q.short}_kv_{kv.short}.cu"
                     text = (

@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "../check.h"
-#include "../kernels/append_kv/append_kv.h"
+#include "../kernels/kv_cache/kv_cache.h"
 
 namespace astrai::backends {
 namespace {

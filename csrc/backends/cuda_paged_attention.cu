@@ -16,6 +16,7 @@
 
 #include "../check.h"
 #include "../kernel_settings.h"
+#include "../kernels/kv_cache/kv_cache.h"
 #include "../kernels/paged_attention/config.h"
 #include "../kernels/paged_attention/launch.h"
 
@@ -25,7 +26,20 @@ namespace {
 using kernels::ScalarType;
 
 ScalarType to_kernel_dtype(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 ? ScalarType::kBFloat16 : ScalarType::kFloat16;
+  switch (dtype) {
+    case at::kBFloat16:
+      return ScalarType::kBFloat16;
+    case at::kFloat8_e4m3fn:
+      return ScalarType::kFloat8E4M3;
+    case at::kFloat8_e5m2:
+      return ScalarType::kFloat8E5M2;
+    default:
+      return ScalarType::kFloat16;
+  }
+}
+
+bool is_fp8_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
 }
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
@@ -92,10 +106,15 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
              "cuda_paged_attention: q: ", kernels::unsupported_head_dim_message(head_dim));
   check_16_byte_rows(q, "q");
 
+  // The cache holds q's dtype, or FP8 (e4m3 / e5m2, the same for k and v) with per-head scales.
+  const bool fp8 = is_fp8_dtype(k_cache.scalar_type());
   for (const auto& [cache, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
     check_cuda_tensor(*cache, name, device);
-    ASTR_CHECK(cache->scalar_type() == q.scalar_type(), "cuda_paged_attention: ", name,
-               " must have the dtype of q (", q.scalar_type(), "), got ", cache->scalar_type());
+    ASTR_CHECK(cache->scalar_type() == q.scalar_type() ||
+                   (fp8 && cache->scalar_type() == k_cache.scalar_type()),
+               "cuda_paged_attention: ", name, " must have the dtype of q (", q.scalar_type(),
+               ") or be an FP8 pool (float8_e4m3fn or float8_e5m2, both pools alike), got ",
+               cache->scalar_type());
     ASTR_CHECK(cache->dim() == 4, "cuda_paged_attention: ", name,
                " must have shape [P, S, Hkv, D] (rank 4), got ", cache->sizes());
     ASTR_CHECK(cache->size(3) == head_dim, "cuda_paged_attention: ", name, " head dim ",
@@ -112,8 +131,15 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
              "cuda_paged_attention: q heads (", num_q_heads,
              ") must be a multiple of k_cache kv heads (", num_kv_heads, ")");
   ASTR_CHECK(k_cache.size(0) <= INT32_MAX, "cuda_paged_attention: k_cache has too many pages");
-  ASTR_CHECK(!k_scale && !v_scale,
-             "cuda_paged_attention: k_scale/v_scale are only for an FP8 KV cache");
+  if (fp8) {
+    ASTR_CHECK(k_scale.has_value() && v_scale.has_value(),
+               "cuda_paged_attention: an FP8 KV cache needs k_scale and v_scale (float32 [Hkv])");
+    check_float_vector(*k_scale, "k_scale", num_kv_heads, device);
+    check_float_vector(*v_scale, "v_scale", num_kv_heads, device);
+  } else {
+    ASTR_CHECK(!k_scale && !v_scale,
+               "cuda_paged_attention: k_scale/v_scale are only for an FP8 KV cache");
+  }
 
   check_cuda_tensor(block_table, "block_table", device);
   ASTR_CHECK(block_table.scalar_type() == at::kInt,
@@ -181,6 +207,8 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
   base.v_stride_head = v_cache.stride(2);
   base.kv_dtype = to_kernel_dtype(k_cache.scalar_type());
   base.num_pages = static_cast<int>(k_cache.size(0));
+  base.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
+  base.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
   base.block_table = block_table.data_ptr<int32_t>();
   base.block_table_stride = block_table.stride(0);
   base.block_table_width = static_cast<int>(std::min<int64_t>(block_table.size(1), INT32_MAX));
@@ -219,6 +247,7 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
     shape.head_dim = base.head_dim;
     shape.block_table_positions = block_table.size(1) * page_size;
     shape.window_left = base.window_left;
+    shape.kv_bytes = static_cast<int>(k_cache.element_size());
     const kernels::DecodePlan plan = kernels::plan_paged_decode(shape, device_facts, tuning);
     ASTR_CHECK(plan.error.empty(), "cuda_paged_attention: ", plan.error);
     // Sized from shapes only (split count, T, Hq, D), never from seq_lens' values.
@@ -239,6 +268,58 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
   } else {
     kernels::PagedPrefillParams params{};
     static_cast<kernels::PagedAttentionParams&>(params) = base;
+    // An FP8 cache: the pages this prefill reads are dequantized first into pools of q's dtype
+    // (page w of sequence b at b * W + w), which the 16-bit prefill kernels read. A prefill is
+    // bound by its multiplies, so that pass costs little (about 1% of an 8192-token prompt), and
+    // the kernels stay the fast ones; the scales are applied in the pass.
+    at::Tensor k_pages, v_pages, pages_table;
+    if (fp8) {
+      const int64_t width = block_table.size(1);
+      const int64_t pages = num_seqs * width;
+      k_pages = at::empty({pages, page_size, num_kv_heads, head_dim}, q.options());
+      v_pages = at::empty_like(k_pages);
+      pages_table = at::arange(pages, block_table.options()).view({num_seqs, width});
+      kernels::DequantizePagesParams dequantize{};
+      dequantize.k_cache = k_cache.data_ptr();
+      dequantize.v_cache = v_cache.data_ptr();
+      dequantize.k_stride_page = k_cache.stride(0);
+      dequantize.k_stride_slot = k_cache.stride(1);
+      dequantize.k_stride_head = k_cache.stride(2);
+      dequantize.v_stride_page = v_cache.stride(0);
+      dequantize.v_stride_slot = v_cache.stride(1);
+      dequantize.v_stride_head = v_cache.stride(2);
+      dequantize.cache_dtype = base.kv_dtype;
+      dequantize.k_scale = base.k_scale;
+      dequantize.v_scale = base.v_scale;
+      dequantize.block_table = base.block_table;
+      dequantize.block_table_stride = base.block_table_stride;
+      dequantize.seq_lens = base.seq_lens;
+      dequantize.k_out = k_pages.data_ptr();
+      dequantize.v_out = v_pages.data_ptr();
+      dequantize.out_dtype = base.q_dtype;
+      dequantize.num_seqs = base.num_seqs;
+      dequantize.width = static_cast<int>(width);
+      dequantize.page_size = static_cast<int>(page_size);
+      dequantize.num_kv_heads = base.num_kv_heads;
+      dequantize.head_dim = base.head_dim;
+      dequantize.num_pages = k_cache.size(0);
+      const kernels::LaunchStatus dequantized = kernels::launch_dequantize_pages(dequantize, stream);
+      ASTR_CHECK(dequantized.ok(), "cuda_paged_attention: ", dequantized.error);
+      ASTR_CHECK(pages <= INT32_MAX, "cuda_paged_attention: too many pages for an FP8 prefill");
+      params.k_cache = k_pages.data_ptr();
+      params.v_cache = v_pages.data_ptr();
+      params.k_stride_page = k_pages.stride(0);
+      params.k_stride_slot = k_pages.stride(1);
+      params.k_stride_head = k_pages.stride(2);
+      params.v_stride_page = v_pages.stride(0);
+      params.v_stride_slot = v_pages.stride(1);
+      params.v_stride_head = v_pages.stride(2);
+      params.kv_dtype = base.q_dtype;
+      params.num_pages = static_cast<int>(pages);
+      params.k_scale = params.v_scale = nullptr;
+      params.block_table = pages_table.data_ptr<int32_t>();
+      params.block_table_stride = pages_table.stride(0);
+    }
     params.query_start_loc = query_start_loc.data_ptr<int32_t>();
     params.max_query_len = static_cast<int>(std::min<int64_t>(max_query_len, INT32_MAX));
     const kernels::PrefillPlan plan =

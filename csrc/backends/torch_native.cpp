@@ -158,15 +158,23 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
   const at::Tensor kv_pos = at::arange(capacity, long_opts);
   const at::Tensor owned =
       (kv_pos.view({1, capacity}) < seq_len.view({batch, 1})).view({batch, capacity, 1, 1});
-  const at::Tensor zero = at::zeros({}, k_cache.options());
-  const at::Tensor keys =
-      at::where(owned, k_cache.index_select(0, pages).view({batch, capacity, kv_heads, -1}), zero);
-  const at::Tensor values =
-      at::where(owned, v_cache.index_select(0, pages).view({batch, capacity, kv_heads, -1}), zero);
+  // An FP8 cache is read as stored.float() * scale[kv head] (gathered as bytes), and the
+  // attention then runs in float32: the reference for the kernels, which read the same bytes.
+  const bool fp8 = a.k_scale.has_value();
+  auto gather = [&](const at::Tensor& pool, const std::optional<at::Tensor>& scale) {
+    at::Tensor rows = fp8 ? pool.view(at::kByte).index_select(0, pages).view(pool.scalar_type())
+                          : pool.index_select(0, pages);
+    rows = rows.view({batch, capacity, kv_heads, -1});
+    if (fp8) rows = rows.to(at::kFloat) * scale->view({1, 1, kv_heads, 1});
+    return at::where(owned, rows, at::zeros({}, rows.options()));
+  };
+  const at::Tensor keys = gather(k_cache, a.k_scale);
+  const at::Tensor values = gather(v_cache, a.v_scale);
 
-  // Queries padded per sequence: [B, max_q, Hq, D].
-  at::Tensor queries = at::zeros({batch, max_q, q_heads, q.size(2)}, q.options());
-  queries.index_put_({seq_of_token, pos_of_token}, q);
+  // Queries padded per sequence: [B, max_q, Hq, D] (float32 with an FP8 cache).
+  const at::Tensor q_in = fp8 ? q.to(at::kFloat) : q;
+  at::Tensor queries = at::zeros({batch, max_q, q_heads, q.size(2)}, q_in.options());
+  queries.index_put_({seq_of_token, pos_of_token}, q_in);
 
   // Visibility [B, max_q, capacity]: inside the sequence, causal from the prefix's end, and the
   // window. New token i sits at position seq_len - q_len + i.
@@ -229,7 +237,7 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
   valid = valid.logical_and(q_len.ge(0)).logical_and(q_len.le(max_q));
   const double nan = std::numeric_limits<double>::quiet_NaN();
   out = at::where(valid.view({batch, 1, 1, 1}), out, at::full({}, nan, out.options()));
-  out = out.index({seq_of_token, pos_of_token});  // [T, Hq, Dv]
+  out = out.index({seq_of_token, pos_of_token}).to(q.scalar_type());  // [T, Hq, Dv]
   if (!a.return_lse) return {out, at::Tensor()};
   lse = at::where(valid.view({batch, 1, 1}), lse, at::full({}, nan, lse.options()));
   return {out, lse.transpose(1, 2).index({seq_of_token, pos_of_token})};  // [T, Hq]

@@ -24,14 +24,20 @@ void check_heads_divide(const CallDescription& call, std::vector<std::string>& r
   }
 }
 
-// The cache's element type: q's own (every backend), or FP8 with per-head scales (where a
-// backend's rules accept it).
-void check_kv_dtype_is_q_dtype(const CallDescription& call, std::vector<std::string>& reasons) {
-  if (call.kv_dtype != call.dtype && call.kv_dtype != ScalarKind::kOther) {
+bool is_fp8(ScalarKind kind) {
+  return kind == ScalarKind::kFloat8E4M3 || kind == ScalarKind::kFloat8E5M2;
+}
+
+// The cache's element type: q's own (every backend), or FP8 with per-head scales where
+// `fp8_cache` says the backend reads it (and then only with its scales, which only it takes).
+void check_kv_dtype(const CallDescription& call, bool fp8_cache, std::vector<std::string>& reasons) {
+  const bool fp8 = is_fp8(call.kv_dtype);
+  if (call.kv_dtype != call.dtype && call.kv_dtype != ScalarKind::kOther && !(fp8 && fp8_cache)) {
     reasons.push_back(std::string("KV cache dtype ") + scalar_kind_name(call.kv_dtype) +
                       " not supported (supported: q's dtype, " + scalar_kind_name(call.dtype) +
-                      ")");
+                      (fp8_cache ? ", or float8_e4m3fn / float8_e5m2 with 16-bit q" : "") + ")");
   }
+  if (call.kv_scales && !fp8) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
 }
 
 void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks checks,
@@ -71,8 +77,7 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
   }
   if (call.needs_grad) reasons.push_back("has no backward (inputs require grad)");
   if (!call.cuda_layout.empty()) reasons.push_back(call.cuda_layout);
-  check_kv_dtype_is_q_dtype(call, reasons);
-  if (call.kv_scales) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
+  check_kv_dtype(call, /*fp8_cache=*/true, reasons);
   check_heads_divide(call, reasons);
 }
 
@@ -128,8 +133,13 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
   if (call.needs_grad && (call.window || call.softcap)) {
     reasons.push_back("gradients with window_left or softcap not supported by the flash backend");
   }
-  check_kv_dtype_is_q_dtype(call, reasons);
-  if (call.kv_scales) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
+  // FlashAttention-3 reads FP8 only with an FP8 q (and 4 has no FP8 cache path): astrai keeps q
+  // in the model's dtype.
+  if (is_fp8(call.kv_dtype)) {
+    reasons.push_back("FP8 KV cache with a 16-bit q not supported by flash-attn");
+  } else {
+    check_kv_dtype(call, /*fp8_cache=*/false, reasons);
+  }
   check_heads_divide(call, reasons);
 }
 
@@ -139,8 +149,7 @@ void torch_native_rules(const CallDescription& call, const BackendStatus&, Check
       call.dtype == ScalarKind::kFloat8E5M2) {
     reasons.push_back("dtype not supported (supported: float16, bfloat16, float32, float64)");
   }
-  check_kv_dtype_is_q_dtype(call, reasons);
-  if (call.kv_scales) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
+  check_kv_dtype(call, /*fp8_cache=*/true, reasons);
   check_heads_divide(call, reasons);
 }
 

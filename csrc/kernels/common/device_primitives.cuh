@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace astrai::kernels {
 
@@ -189,7 +190,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// Shared-memory tiles of rows of D 16-bit elements (16-byte chunks), in one of two layouts:
+// Shared-memory tiles of rows of kRowElements elements (16-byte chunks of kChunkElements: 8 for
+// 16-bit elements, 16 for FP8), in one of two layouts:
 //
 // Padded (kSwizzle = false): each row padded by one chunk. The 8 rows an ldmatrix reads at one
 // column then start 4 banks apart (conflict-free), and every fragment address is a per-lane base
@@ -200,12 +202,68 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // address register per fragment column, but every row (and every 32-byte sector a cp.async
 // brings in) lands aligned: with the padded layout, rows at 272-byte pitch, a streaming kernel
 // read global memory 7-8% slower (H200 microbenchmark, lab/NOTES.md), so decode uses this.
-template <int kHeadDim, bool kSwizzle>
+template <int kRowElements, bool kSwizzle, int kChunkElements = 8>
 __device__ __forceinline__ int tile_offset(int row, int chunk) {
-  static_assert(!kSwizzle || kHeadDim >= 64, "the swizzle permutes 8 chunks of a row");
-  if constexpr (kSwizzle) return row * kHeadDim + ((chunk ^ (row & 7)) * 8);
-  return row * (kHeadDim + 8) + chunk * 8;
+  static_assert(!kSwizzle || kRowElements >= 8 * kChunkElements,
+                "the swizzle permutes 8 chunks of a row");
+  if constexpr (kSwizzle) return row * kRowElements + ((chunk ^ (row & 7)) * kChunkElements);
+  return row * (kRowElements + kChunkElements) + chunk * kChunkElements;
 }
+
+// FP8 (e4m3 or e5m2) pairs to 16-bit pairs in registers, for the KV-cache reads: the two bytes
+// are moved to the top byte of each 16-bit half (prmt), their exponent and mantissa bits shifted
+// into the 16-bit format's fields (the sign stays), and one multiply by 2^(bias difference)
+// corrects the exponent. Exact for every finite value, subnormals included (the multiply sees a
+// subnormal 16-bit value and scales it into range); a NaN byte reads as a finite value. The
+// conversion units would take twice the issue slots of this integer path at the decode's rate.
+//   16-bit   fp8    shift  magnitude mask  multiplier
+//   bf16     e4m3     4    0x07F0          2^120
+//   bf16     e5m2     3    0x0FE0          2^112
+//   fp16     e4m3     1    0x3F80          2^8
+//   fp16     e5m2     0    0x7F00          1    (e5m2 is the top byte of fp16)
+struct Fp8Conversion {
+  uint32_t shift;
+  uint32_t mask;        // both halves
+  uint32_t multiplier;  // two 16-bit values
+};
+
+template <typename T>
+__host__ __device__ constexpr Fp8Conversion fp8_conversion(bool e5m2);
+template <>
+__host__ __device__ constexpr Fp8Conversion fp8_conversion<__nv_bfloat16>(bool e5m2) {
+  return e5m2 ? Fp8Conversion{3, 0x0FE00FE0u, 0x77807780u} : Fp8Conversion{4, 0x07F007F0u,
+                                                                          0x7B807B80u};
+}
+template <>
+__host__ __device__ constexpr Fp8Conversion fp8_conversion<__half>(bool e5m2) {
+  return e5m2 ? Fp8Conversion{0, 0x7F007F00u, 0x3C003C00u} : Fp8Conversion{1, 0x3F803F80u,
+                                                                          0x5C005C00u};
+}
+
+// Bytes a and b of `bytes` (selector 0xB4A4 for byte indices a, b) as a 16-bit pair, a low.
+template <typename T, uint32_t kSelector>
+__device__ __forceinline__ uint32_t fp8_pair_to_16bit(uint32_t bytes, const Fp8Conversion& c) {
+  uint32_t top;  // [0, a, 0, b]: each byte in the top byte of its half
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(top) : "r"(bytes), "r"(0u), "n"(kSelector));
+  const uint32_t bits = (top & 0x80008000u) | ((top >> c.shift) & c.mask);
+  // bits * multiplier + (-0): fma, which sm_80 has for bf16x2 (mul.bf16x2 needs sm_90).
+  uint32_t out;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
+        : "=r"(out)
+        : "r"(bits), "r"(c.multiplier), "r"(0x80008000u));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n"
+        : "=r"(out)
+        : "r"(bits), "r"(c.multiplier), "r"(0x80008000u));
+  }
+  return out;
+}
+// prmt selectors: destination bytes 0..3 from source bytes (4 = the zero operand).
+constexpr uint32_t kFp8Bytes01 = 0x1404;  // bytes 0 and 1 (consecutive elements)
+constexpr uint32_t kFp8Bytes23 = 0x3424;
+constexpr uint32_t kFp8Bytes02 = 0x2404;  // bytes 0 and 2 (one element of two rows)
+constexpr uint32_t kFp8Bytes13 = 0x3414;
 
 // Hopper's 128-byte swizzle (the layout wgmma reads, wgmma_primitives.cuh): a tile of kRows rows
 // x D 16-bit elements stored as D / 64 column blocks, each kRows rows of exactly 128 bytes, with

@@ -49,8 +49,13 @@ inline constexpr size_t kNumPagedHeadDims = sizeof(kPagedHeadDims) / sizeof(kPag
   X(kBFloat16, __nv_bfloat16, "bfloat16") \
   X(kFloat16, __half, "float16")
 
-// KV-cache element kinds: X(enumerator, storage type or Q for q's own, file-name part).
-#define ASTRAI_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same)
+// KV-cache element kinds: X(enumerator, storage type or Q for q's own, file-name part). An FP8
+// cache (e4m3 or e5m2, told apart at run time) is one byte per element; the decode forms read it
+// and dequantize in registers (tile_math.cuh). The other families (the persistent decode, the
+// prefills) are built for q's own type only: an FP8 prefill reads pages that the binding has
+// dequantized first (csrc/backends/cuda_paged_attention.cu), and the plan keeps FP8 decodes off
+// the persistent form.
+#define ASTRAI_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same) X(kFp8, uint8_t, fp8)
 
 // The development build (ASTR_HEAD_DIM=128 at build time: setup.py defines ASTRAI_ONLY_HEAD_DIM)
 // compiles one head dim; everything that reads the list asks through paged_head_dim_built.

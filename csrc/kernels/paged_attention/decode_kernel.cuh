@@ -32,10 +32,10 @@
 
 namespace astrai::kernels {
 
-template <typename Traits, typename T>
+template <typename Traits, typename T, typename KV>
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_decode_kernel(const __grid_constant__ PagedKernelArgs args) {
-  static_assert(Traits::kDecode, "decode traits");
+  static_assert(Traits::kDecode && sizeof(KV) == Traits::kKVBytes, "decode traits of this cache");
   constexpr int D = Traits::kHeadDim;
   constexpr int kChunks = Traits::kChunksPerRow;
   constexpr int kThreads = Traits::kThreads;  // of this thread's group
@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   const int pair_group = kGroups > 1 ? static_cast<int>(threadIdx.x) / kThreads : 0;
   unsigned char* smem_raw = smem_block + pair_group * Traits::kSmemBytes;
   T* q_smem = reinterpret_cast<T*>(smem_raw);
-  T* k_smem = q_smem + Traits::kQSmemElements;
-  T* v_smem = k_smem + Traits::kKVSmemElements;
+  KV* k_smem = reinterpret_cast<KV*>(q_smem + Traits::kQSmemElements);
+  KV* v_smem = k_smem + Traits::kKVSmemElements;
 
   const int tid = kGroups > 1 ? static_cast<int>(threadIdx.x) % kThreads : threadIdx.x;
   auto sync_group = [] { group_barrier<kGroups, kThreads>(); };
@@ -93,14 +93,14 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   };
   // K/V tiles (see kv_tile_loader.cuh). Page ids are looked up as far as the block table reaches,
   // so that the first lookups need not wait for seq_lens.
-  KVTileSource source = kv_tile_source<T>(p, seq_index, kv_head);
+  KVTileSource source = kv_tile_source<KV>(p, seq_index, kv_head);
   source.kv_begin = kv_begin;
   source.kv_end = range.end;
   source.tile_step = tile_step;
   source.lookup_end = block_table_positions(p);
   // The eight-warp decode block's page-id ring follows the V stages (Traits::kPageIdRing).
-  KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid,
-                                 reinterpret_cast<int32_t*>(v_smem + Traits::kKVSmemElements));
+  KVTileLoader<Traits, KV> loader(source, k_smem, v_smem, tid,
+                                  reinterpret_cast<int32_t*>(v_smem + Traits::kKVSmemElements));
 
   // ---- per-warp state: the block's 16 rows, the warp's 16 kv positions of every tile ----------
   const int warp_col0 = warp * kWarpTileN;  // kv offset inside the tile
@@ -109,10 +109,15 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   state.reset();
   uint32_t q_frag[Traits::kQInRegisters ? D / 16 : 1][4];
 
+  auto q_offset = [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); };
   auto load_q_fragment = [&](int ks, uint32_t (&a)[4]) {
-    const int r = (lane % 8) + ((lane / 8) % 2) * 8;
-    const int ch = ks * 2 + lane / 16;
-    ldmatrix_x4(shared_address(q_smem + tile_offset<D, Traits::kSwizzle>(r, ch)), a);
+    if constexpr (Traits::kFp8) {
+      load_fp8_query_fragment(q_smem, 0, lane, ks, q_offset, a);
+    } else {
+      const int r = (lane % 8) + ((lane / 8) % 2) * 8;
+      const int ch = ks * 2 + lane / 16;
+      ldmatrix_x4(shared_address(q_smem + q_offset(r, ch)), a);
+    }
   };
 
   // ---- pipeline prologue ---------------------------------------------------------------------
@@ -140,7 +145,14 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   }
   if constexpr (!Traits::kPageIdRing) loader.lookup(kStages - 1);
 
-  const ScoreTransform transform = score_transform(p, args.scale_log2);
+  // FP8: the kv head's k scale folds into the score scale, its v scale into each output row.
+  float k_scale = 1.f, v_scale = 1.f;
+  if constexpr (Traits::kFp8) {
+    k_scale = p.k_scale[kv_head];
+    v_scale = p.v_scale[kv_head];
+  }
+  const ScoreTransform transform = score_transform(p, args.scale_log2 * k_scale);
+  const Fp8Conversion fp8 = fp8_conversion<T>(p.kv_dtype == ScalarType::kFloat8E5M2);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
@@ -160,11 +172,11 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     }
 
     const int stage = tile % kStages;
-    const T* k_tile = k_smem + stage * kTileN * Traits::kRowStride;
-    const T* v_tile = v_smem + stage * kTileN * Traits::kRowStride;
+    const KV* k_tile = k_smem + stage * Traits::kTileElements;
+    const KV* v_tile = v_smem + stage * Traits::kTileElements;
     const int pos0 = kv_begin + tile * tile_step;
 
-    attend_kv_tile<Traits, T>(
+    attend_kv_tile<Traits, T, KV>(
         k_tile, v_tile, warp_col0, lane,
         [&](int, int ks, uint32_t (&a)[4]) {
           if constexpr (Traits::kQInRegisters) {
@@ -178,7 +190,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
         [&](auto& s_acc) {
           mask_invisible_scores<Traits>(s_acc, p, seq, range, lane, row0, pos0 + warp_col0);
         },
-        transform, state);
+        transform, fp8, state);
     sync_group();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();
@@ -270,7 +282,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     const int head = kv_head * group + row;
     if (args.num_splits == 1 || pair_merge) {
       const FinishedRow finished = finish_row(item_m[i], item_l[i], sink_log2(p, head));
-      const float inv = finished.inv;
+      const float inv = finished.inv * v_scale;
       T* dst = out + seq_index * p.out_stride_token + head * p.out_stride_head + c;
       uint2 packed;
       packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
@@ -280,7 +292,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     } else {
       // The sink joins once, in the merge kernel.
       const FinishedRow finished = finish_row(item_m[i], item_l[i], -INFINITY);
-      const float inv = finished.inv;
+      const float inv = finished.inv * v_scale;
       const int64_t index = ((int64_t)split * p.num_tokens + seq_index) * p.num_q_heads + head;
       *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
@@ -292,10 +304,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 // Launches one decode form (grid from shapes only): the splits of a (sequence, kv head, row tile)
 // are grid z, as a cluster (merge_in_cluster), as block pairs (Traits::kGroups = 2: both splits in
 // one block, grid z halved) or followed by the merge kernel.
-template <typename Traits, typename T>
+template <typename Traits, typename T, typename KV>
 LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t stream) {
   constexpr bool kPairs = Traits::kGroups > 1;
-  auto kernel = paged_decode_kernel<Traits, T>;
+  auto kernel = paged_decode_kernel<Traits, T, KV>;
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
   dim3 grid;
   const LaunchStatus prepared =

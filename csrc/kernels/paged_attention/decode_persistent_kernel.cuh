@@ -42,6 +42,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/dependent_launch.cuh"
 #include "../common/device_primitives.cuh"
@@ -317,7 +318,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     const int stage = g % kStages;
     const int pos0 = (consume.base + consume.t) * kTileN;
-    attend_kv_tile<Traits, T>(
+    attend_kv_tile<Traits, T, T>(
         k_smem + stage * Traits::kTileElements, v_smem + stage * Traits::kTileElements, warp_col0,
         lane,
         [&](int, int ks, uint32_t (&a)[4]) {
@@ -328,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         [&](auto& s_acc) {
           mask_invisible_scores<Traits>(s_acc, p, seq, range, lane, row0, pos0 + warp_col0);
         },
-        transform, state);
+        transform, Fp8Conversion{}, state);
 
     if (consume.t == consume.tiles - 1) {
       // ---- epilogue of item k: merge the warps' states, write the rows ---------------------
@@ -364,6 +365,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream) {
+  static_assert(std::is_same_v<T, KV>, "the persistent decode reads a cache of q's dtype");
   using Traits = DecodeEightWarpTraits<D>;
   constexpr int kSmemBytes = PersistentDecodeLayout<Traits>::kSmemBytes;
   auto kernel = paged_decode_persistent_kernel<Traits, T>;

@@ -1,5 +1,6 @@
 // Copies K/V tiles of one (sequence, kv head) from the paged pool into the shared-memory stages of
-// the attention kernel, and waits for them:
+// the attention kernel, and waits for them (KV: the cache's element type, q's 16-bit type or an
+// FP8 byte):
 //
 //   lookup(tile)        read the page ids of the tile's rows into registers (tile t of a block
 //                       starts at kv position kv_begin + t * tile_step)
@@ -58,28 +59,28 @@ struct KVTileSource {
 };
 
 // The pool addressing of one (sequence, kv head); the block's kv range is the caller's.
-template <typename T>
+template <typename KV>
 __device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParams& p, int seq,
                                                        int kv_head) {
   KVTileSource source;
   source.k_head =
-      static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(T);
+      static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(KV);
   source.v_head =
-      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(T);
-  source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(T));
-  source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(T));
-  source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(T));
-  source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(T));
+      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(KV);
+  source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(KV));
+  source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(KV));
+  source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(KV));
+  source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(KV));
   source.block_table = p.block_table + seq * p.block_table_stride;
   source.log2_page_size = p.log2_page_size;
   source.num_pages = p.num_pages;
   return source;
 }
 
-template <typename Traits, typename T>
+template <typename Traits, typename KV>
 struct KVTileLoader {
   static constexpr int D = Traits::kHeadDim;
-  static constexpr int kChunks = Traits::kChunksPerRow;
+  static constexpr int kChunks = Traits::kKVChunksPerRow;
   static constexpr int kThreads = Traits::kThreads;
   static constexpr int kTileN = Traits::kTileN;
   static constexpr int kStages = Traits::kStages;
@@ -101,8 +102,8 @@ struct KVTileLoader {
   static_assert(!kIdRing || kTileN <= kThreads, "page-id ring: one thread per id");
 
   KVTileSource src;
-  T* k_smem;
-  T* v_smem;
+  KV* k_smem;
+  KV* v_smem;
   const char* k_thread;  // k_head + this thread's column (kOneColumn)
   const char* v_thread;
   int row0, chunk, thread;
@@ -110,7 +111,7 @@ struct KVTileLoader {
   int32_t* id_ring;       // kIdRing: [kIdSlots][kTileN]
   bool poisoned = false;  // a copy met a page id outside the pool
 
-  __device__ __forceinline__ KVTileLoader(const KVTileSource& source, T* k_stages, T* v_stages,
+  __device__ __forceinline__ KVTileLoader(const KVTileSource& source, KV* k_stages, KV* v_stages,
                                           int tid, int32_t* page_id_ring = nullptr)
       : src(source), k_smem(k_stages), v_smem(v_stages), id_ring(page_id_ring) {
     row0 = kOneColumn ? tid / kChunks : 0;
@@ -175,8 +176,8 @@ struct KVTileLoader {
                                            int tile, int stage, int slot_tile, bool& poison) {
     const int pos0 = src.kv_begin + tile * src.tile_step;
     const int page_mask = (1 << src.log2_page_size) - 1;
-    T* k_dst = k_smem + stage * Traits::kTileElements;
-    T* v_dst = v_smem + stage * Traits::kTileElements;
+    KV* k_dst = k_smem + stage * Traits::kTileElements;
+    KV* v_dst = v_smem + stage * Traits::kTileElements;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int row = copy_row(i);
@@ -209,7 +210,7 @@ struct KVTileLoader {
       if constexpr (Traits::kWgmmaTiles)
         offset = swizzled_128b_tile_offset<kTileN>(row, column);
       else
-        offset = tile_offset<D, Traits::kSwizzle>(row, column);
+        offset = tile_offset<D, Traits::kKVSwizzle, Traits::kKVChunkElements>(row, column);
       cp_async_16(shared_address(k_dst + offset), k_src, valid);
       cp_async_16(shared_address(v_dst + offset), v_src, valid);
     }

@@ -8,6 +8,7 @@
 #include <climits>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "config.h"
 #include "instantiations.h"
@@ -47,14 +48,19 @@ int current_device_attribute() {
   });
 }
 
-// Calls f(T{}, KV{}) with the CUDA types of the params' q and kv dtypes (config.h's lists).
+// Calls f(T{}, KV{}) with the CUDA types of the params' q and kv dtypes (config.h's lists): KV
+// is T for a cache of q's dtype, a byte for an FP8 cache.
 template <typename F>
 LaunchStatus dispatch_types(const PagedAttentionParams& p, F&& f) {
-#define ASTRAI_DISPATCH_Q_TYPE(enumerator, type, name) \
-  if (p.q_dtype == ScalarType::enumerator && p.kv_dtype == p.q_dtype) return f(type{}, type{});
+#define ASTRAI_DISPATCH_Q_TYPE(enumerator, type, name)         \
+  if (p.q_dtype == ScalarType::enumerator) {                   \
+    if (p.kv_dtype == p.q_dtype) return f(type{}, type{});     \
+    if (is_fp8(p.kv_dtype)) return f(type{}, uint8_t{});       \
+  }
   ASTRAI_PAGED_Q_TYPES(ASTRAI_DISPATCH_Q_TYPE)
 #undef ASTRAI_DISPATCH_Q_TYPE
-  return {"unsupported dtypes for paged attention (q: bfloat16 or float16; the cache: q's dtype)"};
+  return {"unsupported dtypes for paged attention (q: bfloat16 or float16; the cache: q's dtype, "
+          "float8_e4m3fn or float8_e5m2)"};
 }
 
 LaunchStatus check_common(const PagedAttentionParams& p) {
@@ -66,6 +72,8 @@ LaunchStatus check_common(const PagedAttentionParams& p) {
   if (p.num_pages < 0) return {"num_pages must be >= 0"};
   if (p.window_left < -1) return {"window_left must be -1 (no window) or >= 0"};
   if (!(p.softcap >= 0.f) || std::isinf(p.softcap)) return {"softcap must be 0 (off) or > 0"};
+  if (is_fp8(p.kv_dtype) != (p.k_scale != nullptr && p.v_scale != nullptr))
+    return {"an FP8 cache needs k_scale and v_scale, and only an FP8 cache takes them"};
   // The kernels form cache addresses as page * page stride + slot * slot stride in 32-bit byte
   // multiplies (the head offset is 64-bit): a page, and the slots of one page, must span < 2 GiB.
   constexpr int64_t kMaxBytes = INT32_MAX;
@@ -146,7 +154,7 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePl
     status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
       using T = decltype(t);
       using KV = decltype(kv);
-      if constexpr (paged_head_dim_forms(D)->decode_persistent) {
+      if constexpr (paged_head_dim_forms(D)->decode_persistent && std::is_same_v<T, KV>) {
         if (persistent) return run_paged_decode_persistent<D, T, KV>(args, stream);
       }
       if (persistent) return {"decode: the persistent form is not compiled for this head dim"};
@@ -173,11 +181,15 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
     status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
       using T = decltype(t);
       using KV = decltype(kv);
-      if constexpr (paged_head_dim_forms(D)->prefill_wgmma) {
-        if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
+      if constexpr (!std::is_same_v<T, KV>) {
+        return {"prefill reads a cache of q's dtype (an FP8 cache is dequantized first)"};
+      } else {
+        if constexpr (paged_head_dim_forms(D)->prefill_wgmma) {
+          if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
+        }
+        if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
+        return run_paged_prefill<D, T, KV>(args, stream);
       }
-      if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
-      return run_paged_prefill<D, T, KV>(args, stream);
     });
   });
   return status;

@@ -42,8 +42,12 @@ struct PagedAttentionParams {
   const void* v_cache;  // [P, S, Hkv, D], same shape as k_cache
   int64_t k_stride_page, k_stride_slot, k_stride_head;  // elements
   int64_t v_stride_page, v_stride_slot, v_stride_head;  // elements
-  ScalarType kv_dtype;                                  // q_dtype
+  ScalarType kv_dtype;                                  // q_dtype, or an FP8 type
   int num_pages;                                        // P
+  // FP8 caches: the value of an element is stored.float() * scale[kv head]; null otherwise. The
+  // decode folds k_scale into the score scale and applies v_scale once to each output row.
+  const float* k_scale;  // [Hkv] float32
+  const float* v_scale;  // [Hkv] float32
 
   const int32_t* block_table;  // [B, W] int32, page ids of each sequence, last dim contiguous
   int64_t block_table_stride;  // elements between block_table[b] and block_table[b + 1]

@@ -14,24 +14,34 @@ namespace {
 // and each optional form's shared memory (0: the form is not compiled for this head dim).
 struct DecodeFootprint {
   int blocks_per_sm = 0;
+  int tile_positions = 64;  // kv positions of a 4-warp block's tile
   int pair_block_smem = 0;
   int eight_warp_block_smem = 0;
   int persistent_block_smem = 0;
 };
 
-DecodeFootprint decode_footprint(int head_dim) {
+// kv_bytes 1: an FP8 cache, whose decode tiles are twice as many positions and which the
+// persistent decode does not read (config.h).
+template <int D, int kKVBytes>
+DecodeFootprint decode_footprint_of() {
+  constexpr const HeadDimForms& forms = *paged_head_dim_forms(D);
+  DecodeFootprint footprint;
+  footprint.blocks_per_sm = DecodeTraits<D, kKVBytes>::kBlocksPerSm;
+  footprint.tile_positions = DecodeTraits<D, kKVBytes>::kTileN;
+  if constexpr (forms.decode_block_pairs)
+    footprint.pair_block_smem = DecodePairTraits<D, kKVBytes>::kBlockSmemBytes;
+  if constexpr (forms.decode_eight_warps)
+    footprint.eight_warp_block_smem = DecodeEightWarpTraits<D, kKVBytes>::kBlockSmemBytes;
+  if constexpr (forms.decode_persistent && kKVBytes == 2)
+    footprint.persistent_block_smem = PersistentDecodeLayout<DecodeEightWarpTraits<D>>::kSmemBytes;
+  return footprint;
+}
+
+DecodeFootprint decode_footprint(int head_dim, int kv_bytes) {
   DecodeFootprint footprint;
   for_head_dim(head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
-    constexpr const HeadDimForms& forms = *paged_head_dim_forms(D);
-    footprint.blocks_per_sm = DecodeTraits<D>::kBlocksPerSm;
-    if constexpr (forms.decode_block_pairs)
-      footprint.pair_block_smem = DecodePairTraits<D>::kBlockSmemBytes;
-    if constexpr (forms.decode_eight_warps)
-      footprint.eight_warp_block_smem = DecodeEightWarpTraits<D>::kBlockSmemBytes;
-    if constexpr (forms.decode_persistent)
-      footprint.persistent_block_smem =
-          PersistentDecodeLayout<DecodeEightWarpTraits<D>>::kSmemBytes;
+    footprint = kv_bytes == 1 ? decode_footprint_of<D, 1>() : decode_footprint_of<D, 2>();
   });
   return footprint;
 }
@@ -176,8 +186,8 @@ int64_t decode_kv_positions(const DecodeShape& shape) {
   int64_t positions = std::max<int64_t>(0, shape.block_table_positions);
   if (shape.window_left >= 0) {
     // A window of W + 1 positions starts anywhere in a tile: it touches at most one tile more.
-    constexpr int kTileN = DecodeTraits<128>::kTileN;
-    positions = std::min<int64_t>(positions, static_cast<int64_t>(shape.window_left) + kTileN);
+    const int tile_n = shape.kv_bytes == 1 ? DecodeTraits<128, 1>::kTileN : DecodeTraits<128>::kTileN;
+    positions = std::min<int64_t>(positions, static_cast<int64_t>(shape.window_left) + tile_n);
   }
   return positions;
 }
@@ -190,15 +200,19 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
     return plan;
   }
   const HeadDimForms& forms = *paged_head_dim_forms(shape.head_dim);
-  const DecodeFootprint footprint = decode_footprint(shape.head_dim);
+  if (shape.kv_bytes != 1 && shape.kv_bytes != 2) {
+    plan.error = "decode: a cache of 1- or 2-byte elements";
+    return plan;
+  }
+  const DecodeFootprint footprint = decode_footprint(shape.head_dim, shape.kv_bytes);
   const int64_t items = decode_items(shape.num_seqs, shape.num_q_heads, shape.num_kv_heads);
   const int64_t kv_positions = decode_kv_positions(shape);
   const int num_sms = std::max(1, device.num_sms);
 
   // The split rule (one wave of resident 4-warp blocks); a forced count replaces it. The tile
-  // size is the same at every head dim.
-  constexpr int kTileN = DecodeTraits<128>::kTileN;
-  const int64_t tiles = (kv_positions + kTileN - 1) / kTileN;
+  // size is the same at every head dim (twice as long with an FP8 cache).
+  const int tile_n = footprint.tile_positions;
+  const int64_t tiles = (kv_positions + tile_n - 1) / tile_n;
   const int64_t slots = static_cast<int64_t>(num_sms) * std::max(1, footprint.blocks_per_sm);
   const bool forced_splits = tuning.decode_splits > 0;
   const int splits =

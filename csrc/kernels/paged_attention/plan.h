@@ -77,6 +77,7 @@ struct DecodeShape {
   int head_dim = 0;
   int64_t block_table_positions = 0;  // block table width * page size
   int window_left = -1;               // the call's window (-1: none): bounds the kv range read
+  int kv_bytes = 2;                   // the cache's element size: 2, or 1 for FP8
 };
 
 struct DecodePlan {

@@ -111,18 +111,18 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     loader.wait();
 
     const int stage = tile % kStages;
-    const T* k_tile = k_smem + stage * kTileN * Traits::kRowStride;
-    const T* v_tile = v_smem + stage * kTileN * Traits::kRowStride;
+    const T* k_tile = k_smem + stage * Traits::kTileElements;
+    const T* v_tile = v_smem + stage * Traits::kTileElements;
     const int pos0 = kv_begin + tile * kTileN;
 
-    attend_kv_tile<Traits, T>(
+    attend_kv_tile<Traits, T, T>(
         k_tile, v_tile, 0, lane,
         [&](int mi, int ks, uint32_t (&a)[4]) { load_q_fragment(mi, ks, a); },
         [&] { return unmasked.need_mask(pos0, kTileN); },
         [&](auto& s_acc) {
           mask_invisible_scores<Traits>(s_acc, p, seq, range, lane, row0 + warp_row0, pos0);
         },
-        transform, state);
+        transform, Fp8Conversion{}, state);
     __syncthreads();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();

@@ -46,15 +46,28 @@ struct WarpSoftmaxState {
 // scores the rows may not see to -inf, called only where needs_mask() says the tile has any
 // (asked after S, which keeps its operands out of registers during the multiplies). The scores
 // are transformed (scale, softcap: variant.cuh's ScoreTransform) before the mask.
-template <typename Traits, typename T, typename QFragment, typename NeedsMask, typename MaskScores>
-__device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile, int warp_col0,
+//
+// FP8 tiles (KV a byte, Traits::kFp8; decode): K and V are dequantized in registers
+// (fp8_pair_to_16bit with `fp8`). An ldmatrix of FP8 rows read as 16-bit pairs gives a thread 4
+// consecutive bytes of a K row, d = 4t .. 4t + 3 of a 16-byte chunk: they are the k16 step's B
+// fragment if the step's k index 2t, 2t + 1 stands for d = 4t, 4t + 1 and 2t + 8, 2t + 9 for
+// 4t + 2, 4t + 3; the query fragments (q_fragment) follow the same order (load_fp8_query_fragment).
+// For V the transposed ldmatrix gives bytes of two rows at d = 2g, 2g + 1: the even d of a chunk
+// make one n8 block of the output and the odd ones another, so O holds the chunk's columns in the
+// order fp8_output_column says (merge_warp_states stores them by it).
+template <typename Traits, typename T, typename KV, typename QFragment, typename NeedsMask,
+          typename MaskScores>
+__device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_tile, int warp_col0,
                                                int lane, QFragment&& q_fragment,
                                                NeedsMask&& needs_mask, MaskScores&& mask_scores,
                                                const ScoreTransform& transform,
+                                               const Fp8Conversion& fp8,
                                                WarpSoftmaxState<Traits>& state) {
   constexpr int D = Traits::kHeadDim;
   constexpr int kMRep = Traits::kRowBlocksPerWarp;
   constexpr int kWarpTileN = Traits::kWarpTileN;
+  constexpr bool kSwizzle = Traits::kKVSwizzle;
+  constexpr int kChunkElements = Traits::kKVChunkElements;
 
   float s_acc[kMRep][kWarpTileN / 8][4];
 #pragma unroll
@@ -64,6 +77,35 @@ __device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile,
 #pragma unroll
       for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] = 0.f;
 
+  if constexpr (Traits::kFp8) {
+    static_assert(kMRep == 1 && D % 32 == 0, "FP8 tiles: decode rows, pairs of k16 steps");
+    // ldmatrix.x4 matrix m (lanes 8m .. 8m + 7 give its rows): rows (m % 2) * 8 of a 16-row
+    // step, chunk m / 2 of a pair of chunks.
+    const int matrix = lane / 8;
+#pragma unroll
+    for (int kp = 0; kp < D / 32; ++kp) {
+      uint32_t a_even[4], a_odd[4];
+      q_fragment(0, 2 * kp, a_even);
+      q_fragment(0, 2 * kp + 1, a_odd);
+#pragma unroll
+      for (int nj = 0; nj < kWarpTileN / 16; ++nj) {
+        uint32_t r[4];
+        const int row = warp_col0 + nj * 16 + (matrix % 2) * 8 + (lane % 8);
+        const int ch = 2 * kp + matrix / 2;
+        ldmatrix_x4(
+            shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
+        mma_m16n8k16<T>(s_acc[0][2 * nj], a_even, fp8_pair_to_16bit<T, kFp8Bytes01>(r[0], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[0], fp8));
+        mma_m16n8k16<T>(s_acc[0][2 * nj + 1], a_even,
+                        fp8_pair_to_16bit<T, kFp8Bytes01>(r[1], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[1], fp8));
+        mma_m16n8k16<T>(s_acc[0][2 * nj], a_odd, fp8_pair_to_16bit<T, kFp8Bytes01>(r[2], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[2], fp8));
+        mma_m16n8k16<T>(s_acc[0][2 * nj + 1], a_odd, fp8_pair_to_16bit<T, kFp8Bytes01>(r[3], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[3], fp8));
+      }
+    }
+  } else {
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     uint32_t a[kMRep][4];
@@ -74,13 +116,14 @@ __device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile,
       uint32_t b[4];
       const int r = warp_col0 + nj * 16 + (lane % 8) + (lane / 16) * 8;
       const int ch = ks * 2 + (lane / 8) % 2;
-      ldmatrix_x4(shared_address(k_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
+      ldmatrix_x4(shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(r, ch)), b);
 #pragma unroll
       for (int mi = 0; mi < kMRep; ++mi) {
         mma_m16n8k16<T>(s_acc[mi][2 * nj], a[mi], b[0], b[1]);
         mma_m16n8k16<T>(s_acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
       }
     }
+  }
   }
 
   transform_scores<kMRep * kWarpTileN / 2>(transform, [&](int i) -> float& {
@@ -123,18 +166,69 @@ __device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile,
       a[mi][2] = pack_pair<T>(s_acc[mi][2 * kk + 1][0], s_acc[mi][2 * kk + 1][1]);
       a[mi][3] = pack_pair<T>(s_acc[mi][2 * kk + 1][2], s_acc[mi][2 * kk + 1][3]);
     }
+    if constexpr (Traits::kFp8) {
+      // Transposed matrices: m = 0 rows 0-7 and m = 1 rows 8-15 of the k16 step at chunk 2 dp,
+      // m = 2, 3 the same at chunk 2 dp + 1; bytes 0, 2 of a register are one even d of two
+      // rows, bytes 1, 3 the next odd d. Output n8 block 2 j + parity: chunk j's d of that parity.
+      const int matrix = lane / 8;
 #pragma unroll
-    for (int dj = 0; dj < D / 16; ++dj) {
-      uint32_t b[4];
-      const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-      const int ch = dj * 2 + lane / 16;
-      ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
+      for (int dp = 0; dp < D / 32; ++dp) {
+        uint32_t r[4];
+        const int row = warp_col0 + kk * 16 + (matrix % 2) * 8 + (lane % 8);
+        const int ch = 2 * dp + matrix / 2;
+        ldmatrix_x4_trans(
+            shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
+        mma_m16n8k16<T>(state.o[0][4 * dp], a[0], fp8_pair_to_16bit<T, kFp8Bytes02>(r[0], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes02>(r[1], fp8));
+        mma_m16n8k16<T>(state.o[0][4 * dp + 1], a[0],
+                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[0], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[1], fp8));
+        mma_m16n8k16<T>(state.o[0][4 * dp + 2], a[0],
+                        fp8_pair_to_16bit<T, kFp8Bytes02>(r[2], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes02>(r[3], fp8));
+        mma_m16n8k16<T>(state.o[0][4 * dp + 3], a[0],
+                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[2], fp8),
+                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[3], fp8));
+      }
+    } else {
 #pragma unroll
-      for (int mi = 0; mi < kMRep; ++mi) {
-        mma_m16n8k16<T>(state.o[mi][2 * dj], a[mi], b[0], b[1]);
-        mma_m16n8k16<T>(state.o[mi][2 * dj + 1], a[mi], b[2], b[3]);
+      for (int dj = 0; dj < D / 16; ++dj) {
+        uint32_t b[4];
+        const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+        const int ch = dj * 2 + lane / 16;
+        ldmatrix_x4_trans(
+            shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(r, ch)), b);
+#pragma unroll
+        for (int mi = 0; mi < kMRep; ++mi) {
+          mma_m16n8k16<T>(state.o[mi][2 * dj], a[mi], b[0], b[1]);
+          mma_m16n8k16<T>(state.o[mi][2 * dj + 1], a[mi], b[2], b[3]);
+        }
       }
     }
+  }
+}
+
+// FP8 tiles: the output column that element e (0-3, as the mma accumulator layout numbers them)
+// of output n8 block `block` holds in lane `lane`: block 2 j + parity is chunk j's d of that
+// parity, its n index g standing for d = 16 j + 2 g + parity.
+__device__ __forceinline__ int fp8_output_column(int block, int lane, int e) {
+  return 16 * (block / 2) + 4 * (lane % 4) + 2 * (e % 2) + block % 2;
+}
+
+// A decode query fragment in the order the FP8 tiles' k steps take (attend_kv_tile): a0, a2 are
+// q[row][16 ks + 4 t .. + 3] of rows lane / 4 (and a1, a3 of + 8), two 8-byte loads; `offset`
+// places element `element` of a row as load_query_rows laid it out.
+template <typename T, typename Offset>
+__device__ __forceinline__ void load_fp8_query_fragment(const T* q_smem, int row0, int lane, int ks,
+                                                        Offset offset, uint32_t (&a)[4]) {
+  const int t = lane % 4;
+  const int chunk = 2 * ks + t / 2;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + lane / 4 + half * 8;
+    const uint2 pair = *reinterpret_cast<const uint2*>(q_smem + offset(row, chunk) + (t % 2) * 4);
+    a[half] = pair.x;      // a0 / a1: k 2t, 2t + 1
+    a[half + 2] = pair.y;  // a2 / a3: k 2t + 8, 2t + 9
   }
 }
 
@@ -226,10 +320,20 @@ __device__ __forceinline__ MergedRows<Traits> merge_warp_states(
     const int r = lane_row + half * 8;
     if (r >= valid_rows) continue;
     float* dst = merge_o + (warp * 16 + r) * Traits::kMergeRowStride + lane_col;
+    if constexpr (Traits::kFp8) {
+      // Blocks 2 j and 2 j + 1 hold d = 16 j + 4 t .. + 3 of this lane (fp8_output_column).
+      float* row_dst = merge_o + (warp * 16 + r) * Traits::kMergeRowStride + 2 * lane_col;
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-      *reinterpret_cast<float2*>(dst + dt * 8) =
-          make_float2(state.o[0][dt][half * 2], state.o[0][dt][half * 2 + 1]);
+      for (int j = 0; j < D / 16; ++j)
+        *reinterpret_cast<float4*>(row_dst + 16 * j) =
+            make_float4(state.o[0][2 * j][half * 2], state.o[0][2 * j + 1][half * 2],
+                        state.o[0][2 * j][half * 2 + 1], state.o[0][2 * j + 1][half * 2 + 1]);
+    } else {
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<float2*>(dst + dt * 8) =
+            make_float2(state.o[0][dt][half * 2], state.o[0][dt][half * 2 + 1]);
+    }
     if (lane % 4 == 0) {
       merge_m[warp * 16 + r] = state.row_max[0][half];
       merge_l[warp * 16 + r] = state.row_sum[0][half];

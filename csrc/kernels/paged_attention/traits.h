@@ -54,7 +54,9 @@ constexpr int kSharedMemoryReservedPerBlock = 1024;
 // kWarps_: warps of a group. 4, except the decode's eight-warp blocks (D = 128): one group of 8
 // warps, 16 kv positions of every tile each, as every decode group splits its tiles, so its tiles
 // are 128 positions; one block per SM, page ids from a ring in shared memory (kPageIdRing).
-template <int kHeadDim_, bool kDecode_, int kGroups_ = 1, int kWarps_ = 4>
+// kKVBytes_: the cache's element size, 2 (q's 16-bit type) or 1 (FP8, dequantized in registers
+// by the decode: tile_math.cuh).
+template <int kHeadDim_, bool kDecode_, int kGroups_ = 1, int kWarps_ = 4, int kKVBytes_ = 2>
 struct PagedAttentionTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kDecode = kDecode_;
@@ -62,16 +64,23 @@ struct PagedAttentionTraits {
   static_assert(kWarps == 4 || (kWarps == 8 && kDecode && kGroups_ == 1),
                 "4 warps, or 8 in decode");
   static constexpr int kThreads = kWarps * 32;  // one group's (see kGroups)
-  static constexpr int kElementBytes = 2;       // q, K, V and output: 16-bit floats
-  static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;  // 16-byte chunks per row
+  static constexpr int kElementBytes = 2;       // q and output: 16-bit floats
+  static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;  // 16-byte chunks of a q row
+  static constexpr int kKVBytes = kKVBytes_;
+  static constexpr bool kFp8 = kKVBytes == 1;
+  static_assert(kKVBytes == 2 || (kKVBytes == 1 && kDecode_), "FP8 K/V tiles: decode only");
+  static constexpr int kKVChunksPerRow = kHeadDim * kKVBytes / 16;  // of a K or V row
+  static constexpr int kKVChunkElements = 16 / kKVBytes;
 
   // Decode: 16 rows per block. Prefill: 2 row blocks of 16 per warp up to D = 128 (registers:
   // O 2x16xD fp32 + S 2x16x64 fp32 fit in 255), 1 at D = 256.
   static constexpr int kRowBlocksPerWarp = kDecode ? 1 : (kHeadDim <= 128 ? 2 : 1);
   static constexpr int kBlockRows = kDecode ? 16 : kWarps * 16 * kRowBlocksPerWarp;
 
-  // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each).
-  static constexpr int kTileN = kDecode ? 16 * kWarps : (kHeadDim <= 128 ? 64 : 32);
+  // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each; 32
+  // with an FP8 cache, so that a stage holds as many bytes in flight as a 16-bit one).
+  static constexpr int kTileN =
+      kDecode ? (kFp8 ? 32 : 16) * kWarps : (kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
   // Pipeline depth: 2 stages (the tile being waited for and the next one). Decode has room for 3
@@ -91,10 +100,14 @@ struct PagedAttentionTraits {
   // and reads faster into swizzled, unpadded rows; prefill keeps padded rows (fewer registers), as
   // do rows the swizzle cannot permute (not a power of two of at least 8 chunks).
   static constexpr bool kSwizzle = kDecode && is_power_of_two(kChunksPerRow) && kChunksPerRow >= 8;
-  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;  // q rows, elements
   static constexpr int kQSmemElements = kBlockRows * kRowStride;
-  static constexpr bool kWgmmaTiles = false;  // K/V tile layout (paged_kv_tile_loader.cuh)
-  static constexpr int kTileElements = kTileN * kRowStride;
+  // K/V rows, in cache elements (the same layouts, by the cache's chunks).
+  static constexpr bool kKVSwizzle =
+      kDecode && is_power_of_two(kKVChunksPerRow) && kKVChunksPerRow >= 8;
+  static constexpr int kKVRowStride = kKVSwizzle ? kHeadDim : kHeadDim + kKVChunkElements;
+  static constexpr bool kWgmmaTiles = false;  // K/V tile layout (kv_tile_loader.cuh)
+  static constexpr int kTileElements = kTileN * kKVRowStride;
   static constexpr int kKVSmemElements = kStages * kTileElements;  // per K and per V
   // Decode splits merged in a thread-block cluster: 2 (plan.h says why). The
   // epilogue's incoming region (at the end of shared memory, outside the K/V stages, which the
@@ -110,15 +123,19 @@ struct PagedAttentionTraits {
   static constexpr bool kPageIdRing = kDecode && kWarps == 8;
   static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
   static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
-  static constexpr int kSmemBytes =
-      (kQSmemElements + 2 * kKVSmemElements) * kElementBytes + kPageIdBytes + kIncomingBytes;
 
   // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads
-  // rows so the float2 stores of a warp hit distinct banks) plus m and l per row.
+  // rows so the float2 stores of a warp hit distinct banks) plus m and l per row. The region is
+  // the larger of the two (the 16-bit stages always are; FP8 stages of D = 128 are not).
   static constexpr int kMergeRowStride = kHeadDim + 4;
   static constexpr int kMergeBytes = kWarps * 16 * (kMergeRowStride + 2) * 4;
-  static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * kElementBytes,
-                "merge buffer too large");
+  static constexpr int kKVStagesBytes = 2 * kKVSmemElements * kKVBytes;  // K and V
+  static constexpr int kKVRegionBytes =
+      kDecode && kMergeBytes > kKVStagesBytes ? kMergeBytes : kKVStagesBytes;
+  static constexpr int kSmemBytes =
+      ((kQSmemElements * kElementBytes + kKVRegionBytes + kPageIdBytes + kIncomingBytes + 127) /
+       128) *
+      128;
 
   // Resident decode blocks per SM (single blocks), which the split rule and the block pairs count
   // on: 4 at D = 64, 2 at D = 96 and 128, 1 at D = 256; 1 eight-warp block. A block reserves just
@@ -162,17 +179,17 @@ struct PagedAttentionTraits {
 
   static_assert(kHeadDim % 16 == 0, "mma k-steps of 16");
   static_assert(kWarpTileN % 16 == 0, "P V consumes kv positions 16 at a time");
-  static_assert((kTileN * kChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
+  static_assert((kTileN * kKVChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
 };
 
 // Traits of the decode forms (plan.h's DecodeForm): 4-warp blocks (also the split and cluster
 // forms), block pairs, eight-warp blocks (also the persistent decode's block).
-template <int kHeadDim>
-using DecodeTraits = PagedAttentionTraits<kHeadDim, true>;
-template <int kHeadDim>
-using DecodePairTraits = PagedAttentionTraits<kHeadDim, true, 2>;
-template <int kHeadDim>
-using DecodeEightWarpTraits = PagedAttentionTraits<kHeadDim, true, 1, 8>;
+template <int kHeadDim, int kKVBytes = 2>
+using DecodeTraits = PagedAttentionTraits<kHeadDim, true, 1, 4, kKVBytes>;
+template <int kHeadDim, int kKVBytes = 2>
+using DecodePairTraits = PagedAttentionTraits<kHeadDim, true, 2, 4, kKVBytes>;
+template <int kHeadDim, int kKVBytes = 2>
+using DecodeEightWarpTraits = PagedAttentionTraits<kHeadDim, true, 1, 8, kKVBytes>;
 template <int kHeadDim>
 using PrefillTraits = PagedAttentionTraits<kHeadDim, false>;
 
@@ -187,7 +204,7 @@ struct PersistentDecodeLayout {
   static constexpr int kItemSlots = 8;  // a power of two above the items in flight (at most 5)
   static constexpr int kQueryBytes = Traits::kQSmemElements * Traits::kElementBytes;
   static constexpr int kStageBytes =
-      Traits::kKVSmemElements * Traits::kElementBytes;  // all stages of K (or V)
+      Traits::kKVSmemElements * Traits::kKVBytes;  // all stages of K (or V)
   static constexpr int kQueryOffset = 0;                // [2] query buffers
   static constexpr int kKOffset = kQueryOffset + 2 * kQueryBytes;
   static constexpr int kVOffset = kKOffset + kStageBytes;

@@ -1,7 +1,7 @@
 // KV append: copies each new token's k/v rows into its cache slot, 16 bytes per thread.
 #include <cuda_runtime.h>
 
-#include "append_kv.h"
+#include "kv_cache.h"
 
 namespace astrai::kernels {
 
