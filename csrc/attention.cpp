@@ -3,6 +3,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <mutex>
@@ -18,6 +19,7 @@
 #include "dispatch/override_stack.h"
 #include "dispatch/resolver.h"
 #include "ops.h"
+#include "python_warnings.h"
 
 namespace astr {
 
@@ -30,7 +32,8 @@ using dispatch::Decision;
 using dispatch::OverrideStack;
 using dispatch::Selection;
 
-void warn(const std::string& message) { TORCH_WARN(message); }
+// Through Python's warnings module (see python_warnings.h); never called with a lock held.
+void warn(const std::string& message) { warn_in_python(message); }
 
 std::string to_string(const std::optional<c10::string_view>& text) {
   return text ? std::string(text->data(), text->size()) : std::string();
@@ -56,6 +59,12 @@ const Decision& decide(const CallDescription& call, const std::optional<c10::str
     ASTR_CHECK_VALUE(text.empty() || source == "context" || source == "environment",
                      "selection: expected \"context:NAME\", \"environment:NAME\" or \"\", got \"",
                      text, "\"");
+    // A context names a backend (the stack validates its pushes; this string is the caller's).
+    // An unknown environment name is what ASTR_BACKEND may hold: warned about and ignored.
+    ASTR_CHECK_VALUE(source != "context" || dispatch::parse_backend(name).has_value() ||
+                         dispatch::is_python_backend_marker(name),
+                     "selection: \"", text, "\" names no backend (expected \"context:NAME\" with ",
+                     "NAME one of ", dispatch::valid_backend_names(), ", or python:LABEL)");
     context = source == "context" ? std::optional<std::string>(name) : std::nullopt;
     environment = source == "environment" ? name : std::string();
   }
@@ -82,12 +91,15 @@ void report_fallback(const Decision& decision, const CallDescription& call) {
   key += skipped;
   static std::mutex mutex;
   static std::set<std::string> reported;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!reported.insert(key).second) return;
-  TORCH_WARN("astr.attention: using ", dispatch::backend_name(*decision.chosen),
-             " (requested: ", decision.selection.name.empty() ? "default" : decision.selection.name,
-             ", ", dispatch::selection_source_name(decision.selection.source), "); skipped",
-             skipped);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!reported.insert(key).second) return;
+  }
+  const std::string requested =
+      decision.selection.name.empty() ? std::string("default") : decision.selection.name;
+  warn(std::string("astr.attention: using ") + dispatch::backend_name(*decision.chosen) +
+       " (requested: " + requested + ", " +
+       dispatch::selection_source_name(decision.selection.source) + "); skipped" + skipped);
 }
 
 // True while torch.compile traces: q is a fake or functional tensor.
@@ -109,6 +121,16 @@ std::string describe_state(const std::string& state) {
   return state.empty() ? std::string("no context and no ASTR_BACKEND") : state;
 }
 
+// max_query_len may be any upper bound on the new tokens of one sequence; the call's token count
+// is one too, and the backends size buffers by the bound: a huge value would otherwise fail in
+// the allocator. Unchanged while the token count is symbolic (torch.compile traces).
+int64_t bounded_max_query_len(const at::Tensor& q, const std::optional<at::Tensor>& k_cache,
+                              int64_t max_query_len) {
+  if (!k_cache || q.dim() != 3) return max_query_len;
+  const auto tokens = q.sym_size(0).maybe_as_int();
+  return tokens ? std::min(max_query_len, std::max<int64_t>(*tokens, 1)) : max_query_len;
+}
+
 }  // namespace
 
 at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
@@ -121,6 +143,7 @@ at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
                      const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
                      std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
                      std::optional<c10::string_view> selection) {
+  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
   AttentionArgs args{
       q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
       v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
@@ -148,11 +171,12 @@ std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
                     const std::optional<at::Tensor>& block_table,
                     const std::optional<at::Tensor>& seq_lens,
                     const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-                    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend) {
+                    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+                    std::optional<c10::string_view> selection) {
   AttentionArgs args{
       q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
       v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
-  return decide(validate_and_describe(args), backend).to_json();
+  return decide(validate_and_describe(args), backend, selection).to_json();
 }
 
 std::string check_backend(c10::string_view backend, const at::Tensor& q,
@@ -172,18 +196,26 @@ std::string check_backend(c10::string_view backend, const at::Tensor& q,
   return text;
 }
 
-void push_backend(c10::string_view name) {
+int64_t push_backend(c10::string_view name) {
   try {
-    OverrideStack::current().push(std::string(name.data(), name.size()));
+    return static_cast<int64_t>(
+        OverrideStack::current().push(std::string(name.data(), name.size())));
   } catch (const std::invalid_argument& error) {
     ASTR_CHECK_VALUE(false, error.what());
   }
 }
 
-void pop_backend() {
-  ASTR_CHECK(OverrideStack::current().depth() > 0,
-             "pop_backend: the attention backend override stack is empty");
-  OverrideStack::current().pop();
+void pop_backend(std::optional<int64_t> id) {
+  if (!id) {
+    ASTR_CHECK(OverrideStack::current().depth() > 0,
+               "pop_backend: the attention backend override stack is empty");
+    OverrideStack::current().pop();
+    return;
+  }
+  ASTR_CHECK(
+      *id > 0 && OverrideStack::current().remove(static_cast<uint64_t>(*id)),
+      "pop_backend: no override with id ", *id,
+      " is on this thread's stack (a context is exited on the thread that entered it, once)");
 }
 
 std::string selected_backend() {

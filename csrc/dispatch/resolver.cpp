@@ -136,8 +136,14 @@ Selection select_backend(const std::string& argument, const std::optional<std::s
     if (parse_backend(environment)) return {SelectionSource::kEnvironment, environment};
     static std::mutex mutex;
     static std::set<std::string> warned;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (warned.insert(environment).second && warn != nullptr) {
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      first = warned.insert(environment).second;
+    }
+    // Outside the lock: `warn` may wait for Python's GIL, which another thread can hold while it
+    // waits for this lock.
+    if (first && warn != nullptr) {
       warn("ASTR_BACKEND='" + environment + "' is not a backend (valid: " + valid_backend_names() +
            "); ignoring it");
     }
@@ -164,8 +170,14 @@ Decision resolve_backend(const CallDescription& call, const Selection& selection
                        ") is written in Python: call astrai.extension.attention to run it";
       return decision;
     }
-    Backend requested = *parse_backend(selection.name);
-    if (capable(requested)) {
+    const std::optional<Backend> requested = parse_backend(selection.name);
+    if (!requested) {  // callers validate names; an unknown one must still not be dereferenced
+      decision.error = "Explicitly-set backend '" + selection.name + "' (" +
+                       source_phrase(selection.source) +
+                       ") is not a backend (valid: " + valid_backend_names() + ")";
+      return decision;
+    }
+    if (capable(*requested)) {
       decision.chosen = requested;
     } else {
       decision.error = "Explicitly-set backend '" + selection.name + "' (" +

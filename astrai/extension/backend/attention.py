@@ -1,10 +1,10 @@
 """The public attention API: ``attention``, ``attn_backend``, ``get_backend``, ``explain``.
 
 Every choice among the built-in backends is made by the C++ resolver (csrc/dispatch):
-per-call ``backend=`` > ``attn_backend(...)`` context (thread-local) > ``ASTR_BACKEND`` >
-default priority cuda > flash > torch_native. An explicit choice (argument or context) is
-strict; ASTR_BACKEND and the default fall back to the next capable backend. Backends written
-in Python are run here, since C++ cannot call them.
+per-call ``backend=`` > ``attn_backend(...)`` context (task-local: see ``attn_backend``) >
+``ASTR_BACKEND`` > default priority cuda > flash > torch_native. An explicit choice (argument
+or context) is strict; ASTR_BACKEND and the default fall back to the next capable backend.
+Backends written in Python are run here, since C++ cannot call them.
 """
 
 from __future__ import annotations
@@ -18,9 +18,18 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from .base import CONTEXT, AttentionBackend
+from .base import (
+    TASK_CONTEXTS,
+    THREAD_CONTEXTS,
+    AttentionBackend,
+    ContextEntry,
+    pop_context,
+    push_context,
+    task_context,
+    thread_context,
+)
 from .builtin import BuiltinBackend
-from .call import attention_op_args, run_builtin
+from .call import attention_op_args, paged_query_tokens, run_builtin
 from .cuda import CudaBackend
 from .factory import AttentionBackendFactory, _instance
 from .flash import FlashAttnBackend, probe_flash
@@ -82,27 +91,60 @@ def _as_backend(spec: BackendSpec) -> AttentionBackend:
 
 
 class attn_backend:
-    """Select a backend for the calls made inside the ``with`` block, on this thread only.
-    Strict: a call it cannot run raises, naming every backend and why it was rejected."""
+    """Select a backend for the calls made inside the ``with`` block. Strict: a call it cannot
+    run raises, naming every backend and why it was rejected.
+
+    Task-local for calls through this module (``attention``, ``explain``, ``get_backend``): a
+    thread sees only its own contexts, and an asyncio task only its own and those open where it
+    was created. Compiled code and direct ``torch.ops.astr`` calls see the thread's innermost
+    open context, whichever task entered it (torch.compile cannot guard on a contextvar). An
+    exit removes its own context, in whatever order contexts are exited."""
 
     def __init__(self, backend: BackendSpec):
         self.backend = _as_backend(backend)
+        self._entries: List[ContextEntry] = []  # one per entry of this object still open
 
     def __enter__(self) -> AttentionBackend:
-        return self.backend.__enter__()
+        self._entries.append(push_context(self.backend))
+        return self.backend
 
     def __exit__(self, *exc_info):
-        return self.backend.__exit__(*exc_info)
+        pop_context(self.backend, self._entries.pop() if self._entries else None)
+        return False
+
+
+def _context_entry() -> Optional[ContextEntry]:
+    """The context a call runs under: the task's in eager code; while torch.compile traces, the
+    thread's (the compiler cannot guard on a contextvar, and can on the thread's list)."""
+    if torch.compiler.is_compiling():
+        return thread_context()
+    return task_context()
+
+
+def _environment_selection() -> str:
+    """ASTR_BACKEND in the form of the op's ``selection`` argument, read here; the op warns
+    about (and ignores) a name that is not a backend."""
+    value = os.environ.get("ASTR_BACKEND", "")
+    return f"environment:{value}" if value else ""
 
 
 def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
-    """The selected backend: this thread's innermost context, else ASTR_BACKEND, else (when
-    ``use_default``) the first available backend in priority order."""
-    if CONTEXT.backends:
-        return CONTEXT.backends[-1]
-    selected = torch.ops.astr.selected_backend()  # "environment:<name>" or ""
-    if selected.startswith("environment:"):
-        return AttentionBackendFactory.create(selected.split(":", 1)[1])
+    """The selected backend: the innermost ``attn_backend`` context, else ASTR_BACKEND when it
+    names a backend that can run here, else (when ``use_default``) the first available backend
+    in priority order. An ASTR_BACKEND that cannot run here (e.g. ``cuda`` without a GPU) is
+    skipped, as calls skip it."""
+    entry = _context_entry()
+    if entry is not None:
+        return entry.backend
+    if thread_context() is None:
+        selected = torch.ops.astr.selected_backend()  # warns once about an unknown name
+    else:  # another task's context is on this thread's C++ stack: read the environment here
+        selected = _environment_selection()
+    name = selected.split(":", 1)[1] if selected.startswith("environment:") else ""
+    if name in ATTN_BACKEND._value2member_map_:
+        backend = AttentionBackendFactory.create(name)
+        if backend.available():
+            return backend
     if not use_default:
         return None
     return _priority_backends()[0]
@@ -111,7 +153,8 @@ def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
 def _python_backend(backend: BackendSpec) -> Optional[AttentionBackend]:
     """The backend written in Python that must run this call, if any."""
     if backend is None:
-        chosen = CONTEXT.backends[-1] if CONTEXT.backends else None
+        entry = _context_entry()
+        chosen = entry.backend if entry is not None else None
     else:
         chosen = _as_backend(backend)
     if chosen is not None and not isinstance(chosen, BuiltinBackend):
@@ -149,15 +192,27 @@ _ENV_CHOICES = tuple(
 
 
 def _observed_selection() -> Optional[str]:
-    """While torch.compile traces: the thread's context and ASTR_BACKEND in the form of
-    ``torch.ops.astr.selected_backend()`` ("context:NAME", "environment:NAME" or ""), read in
-    Python so that the compiler guards on them, and passed to the op so that the graph records
-    them (a cached graph traced under another selection is then never reused). None in eager
-    code, where the C++ resolver reads them itself."""
+    """The selection the op must use instead of reading the thread's C++ override stack, in the
+    form of ``torch.ops.astr.selected_backend()`` ("context:NAME", "environment:NAME" or "").
+
+    Eager code: None (the C++ resolver reads the stack and ASTR_BACKEND itself) unless the
+    stack's top is another task's context; then this task's context, or ASTR_BACKEND.
+
+    While torch.compile traces: the thread's context and ASTR_BACKEND, read in Python so that
+    the compiler guards on them, and passed to the op so that the graph records them (a cached
+    graph traced under another selection is then never reused)."""
     if not torch.compiler.is_compiling():
-        return None
-    if CONTEXT.backends:  # a Python backend on top never reaches here (see attention)
-        return f"context:{CONTEXT.backends[-1].name}"
+        if not TASK_CONTEXTS.get() and not THREAD_CONTEXTS.entries:
+            return None  # no context anywhere: the common case, kept cheap
+        task = task_context()
+        if task is thread_context():
+            return None
+        if task is not None:  # a Python backend on top never reaches here (see attention)
+            return f"context:{task.backend.name}"
+        return _environment_selection()
+    entry = thread_context()
+    if entry is not None:  # a Python backend on top never reaches here (see attention)
+        return f"context:{entry.backend.name}"
     if _ENVIRONMENT is None:
         return ""
     value = _ENVIRONMENT.get(_ENV_KEY)
@@ -249,11 +304,14 @@ def explain(
     if python_backend is not None:
         return Decision(type(python_backend).__name__, "argument" if backend else "context")
     name = _builtin_name(backend)
+    selection = _observed_selection() if name is None else None
     if kv_cache is None:
-        text = torch.ops.astr.explain(q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=name)
+        text = torch.ops.astr.explain(
+            q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=name, selection=selection
+        )
     else:
         k_pool, v_pool = kv_cache.layer(layer_id)
-        q_tokens = q.reshape(-1, q.shape[-2], q.shape[-1])
+        q_tokens = paged_query_tokens(q)
         text = torch.ops.astr.explain(
             q_tokens,
             None,
@@ -261,6 +319,7 @@ def explain(
             k_cache=k_pool,
             v_cache=v_pool,
             backend=name,
+            selection=selection,
             **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
         )
     data = json.loads(text)
