@@ -8,7 +8,7 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   echo "install_deps: no torch found; installing torch==2.13.0"
   "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
-"$PYTHON" -m pip install -q "setuptools>=64" wheel ninja pytest numpy "ruff==0.17.6" "clang-format==23.1.5"
+"$PYTHON" -m pip install -q "setuptools>=64" wheel ninja pytest hypothesis numpy "ruff==0.17.6" "clang-format==23.1.5"
 if [ "${ASTR_SKIP_GTEST:-0}" != "1" ] && [ ! -f /usr/include/gtest/gtest.h ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = "0" ]; then
     echo "install_deps: installing GoogleTest (libgtest-dev)"
