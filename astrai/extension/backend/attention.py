@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from .base import (
+    OPEN_CONTEXTS,
     TASK_CONTEXTS,
     THREAD_CONTEXTS,
     AttentionBackend,
@@ -113,10 +114,16 @@ class attn_backend:
         return False
 
 
+# Bound once: the two functions below run on every call, where each attribute lookup shows.
+_is_compiling = torch.compiler.is_compiling
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_task_contexts = TASK_CONTEXTS.get
+
+
 def _context_entry() -> Optional[ContextEntry]:
-    """The context a call runs under: the task's in eager code; while torch.compile traces, the
-    thread's (the compiler cannot guard on a contextvar, and can on the thread's list)."""
-    if torch.compiler.is_compiling():
+    """The context a call runs under: the task's, except while dynamo traces: the thread's (it
+    cannot read a contextvar, and can guard on the thread's list)."""
+    if torch.compiler.is_dynamo_compiling():
         return thread_context()
     return task_context()
 
@@ -136,7 +143,7 @@ def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
     entry = _context_entry()
     if entry is not None:
         return entry.backend
-    if thread_context() is None:
+    if not THREAD_CONTEXTS.entries:
         selected = torch.ops.astr.selected_backend()  # warns once about an unknown name
     else:  # another task's context is on this thread's C++ stack: read the environment here
         selected = _environment_selection()
@@ -153,7 +160,11 @@ def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
 def _python_backend(backend: BackendSpec) -> Optional[AttentionBackend]:
     """The backend written in Python that must run this call, if any."""
     if backend is None:
-        entry = _context_entry()
+        if _is_dynamo_compiling():  # dynamo cannot read a contextvar
+            entry = thread_context()
+        else:  # (inlined task_context: this runs on every call)
+            entries = _task_contexts()
+            entry = entries[-1] if entries else None
         chosen = entry.backend if entry is not None else None
     else:
         chosen = _as_backend(backend)
@@ -201,16 +212,17 @@ def _observed_selection() -> Optional[str]:
     While torch.compile traces: the thread's context and ASTR_BACKEND, read in Python so that
     the compiler guards on them, and passed to the op so that the graph records them (a cached
     graph traced under another selection is then never reused)."""
-    if not torch.compiler.is_compiling():
-        if not TASK_CONTEXTS.get() and not THREAD_CONTEXTS.entries:
-            return None  # no context anywhere: the common case, kept cheap
-        task = task_context()
-        if task is thread_context():
+    if not _is_compiling():  # runs on every call: kept to a few lookups
+        task = _task_contexts()
+        if not task and not OPEN_CONTEXTS.value:
+            return None  # no context anywhere
+        on_thread = THREAD_CONTEXTS.entries  # the C++ stack's mirror: its top is what C++ reads
+        if not task:
+            return _environment_selection() if on_thread else None
+        if on_thread and on_thread[-1] is task[-1]:
             return None
-        if task is not None:  # a Python backend on top never reaches here (see attention)
-            return f"context:{task.backend.name}"
-        return _environment_selection()
-    entry = thread_context()
+        return f"context:{task[-1].backend.name}"  # a Python backend never reaches here
+    entry = _context_entry()
     if entry is not None:  # a Python backend on top never reaches here (see attention)
         return f"context:{entry.backend.name}"
     if _ENVIRONMENT is None:

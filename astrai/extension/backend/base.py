@@ -39,6 +39,22 @@ class _ThreadContexts(threading.local):
 THREAD_CONTEXTS = _ThreadContexts()
 
 
+class _OpenCount:
+    """How many contexts are open in the process, on every thread: zero lets a call skip
+    reading the thread's contexts (the common case, checked on every call)."""
+
+    def __init__(self):
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, delta: int) -> None:
+        with self._lock:
+            self.value += delta
+
+
+OPEN_CONTEXTS = _OpenCount()
+
+
 def task_context() -> Optional[ContextEntry]:
     """The innermost context of the calling task (eager code)."""
     entries = TASK_CONTEXTS.get()
@@ -66,6 +82,7 @@ def push_context(backend: AttentionBackend) -> ContextEntry:
     _drop_exited(THREAD_CONTEXTS.entries)
     native_id = torch.ops.astr.push_backend(backend.override_name())  # raises: nothing changed
     entry = ContextEntry(backend, native_id)
+    OPEN_CONTEXTS.add(1)
     THREAD_CONTEXTS.entries.append(entry)
     TASK_CONTEXTS.set(TASK_CONTEXTS.get() + (entry,))
     return entry
@@ -86,6 +103,7 @@ def pop_context(backend: AttentionBackend, entry: Optional[ContextEntry] = None)
     if entry is None or not entry.open:
         raise RuntimeError(f"attn_backend: {backend!r} is not an open context here")
     entry.open = False
+    OPEN_CONTEXTS.add(-1)
     if entry in task:
         TASK_CONTEXTS.set(tuple(e for e in task if e is not entry))
     if entry in THREAD_CONTEXTS.entries:
