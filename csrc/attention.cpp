@@ -121,6 +121,11 @@ std::string describe_state(const std::string& state) {
   return state.empty() ? std::string("no context and no ASTR_BACKEND") : state;
 }
 
+bool is_empty_batch(const at::Tensor& seq_lens) {
+  const auto batch = seq_lens.sym_size(0).maybe_as_int();
+  return batch && *batch == 0;
+}
+
 // max_query_len may be any upper bound on the new tokens of one sequence; the call's token count
 // is one too, and the backends size buffers by the bound: a huge value would otherwise fail in
 // the allocator. Unchanged while the token count is symbolic (torch.compile traces).
@@ -152,6 +157,11 @@ at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
   ASTR_CHECK(decision.chosen.has_value(), decision.error);
   report_fallback(decision, call);
   if (!backend && !selection && is_traced(q)) record_trace_state(q);
+  if (args.paged() && is_empty_batch(*seq_lens)) {
+    // No sequence, so no query token (validated): the answer is empty, whatever the backend
+    // (whose gathers would size buffers by the batch). Tied to q so that autograd sees it.
+    return at::zeros({0, q.size(1), v_cache->size(3)}, q.options()) + q.sum() * 0;
+  }
   switch (*decision.chosen) {
     case Backend::kCuda:
       return cuda_paged(args);

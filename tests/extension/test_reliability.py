@@ -439,12 +439,13 @@ def test_contexts_exited_out_of_order_each_remove_their_own_entry():
 def test_exiting_a_context_twice_raises_and_leaves_the_others():
     outer = attn_backend("torch_native")
     with outer:
-        context = attn_backend("cuda")
+        context = attn_backend("torch_native")  # the same backend: its exit must not take outer's
         context.__enter__()
         context.__exit__(None, None, None)
         with pytest.raises(RuntimeError, match="is not an open context"):
             context.__exit__(None, None, None)
         assert torch.ops.astr.selected_backend() == "context:torch_native"
+        assert THREAD_CONTEXTS.entries == outer._entries  # outer's own entry, still open
 
 
 def test_a_backend_instance_entered_twice_exits_one_entry_at_a_time():
@@ -613,6 +614,22 @@ def test_an_empty_batch_with_query_tokens_names_q(mode, device):
     args = on_meta(args) if device == "meta" else args
     with pytest.raises(RuntimeError, match="^q: 3 query tokens, but the batch has no sequences"):
         torch.ops.astr.attention(**args)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_an_empty_batch_without_query_tokens_has_an_empty_answer(mode):
+    """The valid neighbour of the case above (it failed on a reshape in torch_native)."""
+    args = paged_args(batch=0, tokens=0, mode=mode)
+    args["max_query_len"] = 1
+    args["q"].requires_grad_()
+    out = torch.ops.astr.attention(**args)
+    assert out.shape == (0, HEADS, HEAD_DIM)
+    out.sum().backward()  # a training step over an empty batch still runs
+    assert out_of_meta(args).shape == (0, HEADS, HEAD_DIM)
+
+
+def out_of_meta(args):
+    return torch.ops.astr.attention(**on_meta({**args, "q": args["q"].detach()}))
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

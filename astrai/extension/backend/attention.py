@@ -74,6 +74,8 @@ def _priority_backends() -> List[AttentionBackend]:
     return backends
 
 
+_BUILTIN_NAMES = frozenset(backend.value for backend in ATTN_BACKEND)
+
 BackendSpec = Union[str, ATTN_BACKEND, AttentionBackend, type, None]
 
 
@@ -110,7 +112,9 @@ class attn_backend:
         return self.backend
 
     def __exit__(self, *exc_info):
-        pop_context(self.backend, self._entries.pop() if self._entries else None)
+        if not self._entries:
+            raise RuntimeError(f"attn_backend: {self.backend!r} is not an open context here")
+        pop_context(self.backend, self._entries.pop())
         return False
 
 
@@ -148,7 +152,7 @@ def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
     else:  # another task's context is on this thread's C++ stack: read the environment here
         selected = _environment_selection()
     name = selected.split(":", 1)[1] if selected.startswith("environment:") else ""
-    if name in ATTN_BACKEND._value2member_map_:
+    if name in _BUILTIN_NAMES:
         backend = AttentionBackendFactory.create(name)
         if backend.available():
             return backend
