@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 import warnings
 
@@ -455,6 +456,50 @@ def test_a_backend_instance_entered_twice_exits_one_entry_at_a_time():
             assert torch.ops.astr.selected_backend() == "context:torch_native"
         assert get_backend(use_default=False) is backend
     assert get_backend(use_default=False) is None
+
+
+def test_a_context_exited_on_another_thread_is_gone_for_its_own_thread_too():
+    q, k, v = dense_qkv()
+    context = attn_backend("cuda")
+    context.__enter__()
+    exiter = threading.Thread(target=context.__exit__, args=(None, None, None))
+    exiter.start()
+    exiter.join()
+    assert get_backend(use_default=False) is None
+    assert explain(q, k, v).source == "default"
+    assert attention(q, k, v).shape == q.shape  # no strict cuda left behind
+    # This thread's C++ stack drops the entry at its next enter or exit.
+    with attn_backend("torch_native"):
+        assert torch.ops.astr.selected_backend() == "context:torch_native"
+    assert torch.ops.astr.selected_backend() == ""
+
+
+def test_a_context_held_by_a_generator_and_exited_from_another_task_is_gone():
+    """A generator runs in whichever task advances it: entered in task a, exited in task b."""
+    q, k, v = dense_qkv()
+
+    def holder():
+        with attn_backend("cuda"):
+            yield
+
+    held = holder()
+    seen = {}
+
+    async def enters():
+        next(held)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # b exits meanwhile
+        seen["a"] = (get_backend(use_default=False), explain(q, k, v).source)
+
+    async def exits():
+        await asyncio.sleep(0)
+        next(held, None)
+
+    async def main():
+        await asyncio.gather(enters(), exits())
+
+    asyncio.run(main())
+    assert seen["a"] == (None, "default")
 
 
 def test_pop_backend_by_id_removes_that_entry_and_refuses_an_unknown_id():

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Union
 import torch
 
 from .base import (
-    OPEN_CONTEXTS,
+    NATIVE_ENTRIES,
     TASK_CONTEXTS,
     THREAD_CONTEXTS,
     AttentionBackend,
@@ -127,7 +127,7 @@ _task_contexts = TASK_CONTEXTS.get
 def _context_entry() -> Optional[ContextEntry]:
     """The context a call runs under: the task's, except while dynamo traces: the thread's (it
     cannot read a contextvar, and can guard on the thread's list)."""
-    if torch.compiler.is_dynamo_compiling():
+    if _is_dynamo_compiling():
         return thread_context()
     return task_context()
 
@@ -166,9 +166,11 @@ def _python_backend(backend: BackendSpec) -> Optional[AttentionBackend]:
     if backend is None:
         if _is_dynamo_compiling():  # dynamo cannot read a contextvar
             entry = thread_context()
-        else:  # (inlined task_context: this runs on every call)
+        else:  # (task_context, inlined where nothing was withdrawn: this runs on every call)
             entries = _task_contexts()
             entry = entries[-1] if entries else None
+            if entry is not None and entry.withdrawn:
+                entry = task_context()
         chosen = entry.backend if entry is not None else None
     else:
         chosen = _as_backend(backend)
@@ -218,14 +220,17 @@ def _observed_selection() -> Optional[str]:
     graph traced under another selection is then never reused)."""
     if not _is_compiling():  # runs on every call: kept to a few lookups
         task = _task_contexts()
-        if not task and not OPEN_CONTEXTS.value:
+        if not task and not NATIVE_ENTRIES:
             return None  # no context anywhere
         on_thread = THREAD_CONTEXTS.entries  # the C++ stack's mirror: its top is what C++ reads
-        if not task:
+        top = task[-1] if task else None
+        if top is not None and top.withdrawn:
+            top = task_context()
+        if top is None:
             return _environment_selection() if on_thread else None
-        if on_thread and on_thread[-1] is task[-1]:
+        if on_thread and on_thread[-1] is top:
             return None
-        return f"context:{task[-1].backend.name}"  # a Python backend never reaches here
+        return f"context:{top.backend.name}"  # a Python backend never reaches here
     entry = _context_entry()
     if entry is not None:  # a Python backend on top never reaches here (see attention)
         return f"context:{entry.backend.name}"

@@ -11,17 +11,21 @@ import torch
 
 class ContextEntry:
     """One entered ``attn_backend(...)`` context: its backend, the id of its entry on the C++
-    override stack of the thread that entered it, and whether it has been exited."""
+    override stack of the thread that entered it, and whether it has been exited (``open``),
+    from a task or thread other than the one that entered it (``withdrawn``: then every view
+    drops it, since that exit could not reach the entering task's own view)."""
 
     def __init__(self, backend: AttentionBackend, native_id: int):
         self.backend = backend
         self.native_id = native_id
         self.open = True
+        self.withdrawn = False
 
 
 # The contexts the current task (or thread, outside asyncio) has entered, innermost last. A
 # tuple: an asyncio task copies the contexts open where it was created and keeps them even after
-# its creator exits them (contextvars' semantics); neither sees the other's later changes.
+# its creator exits them (contextvars' semantics); neither sees the other's later changes. Each
+# reader skips withdrawn entries.
 TASK_CONTEXTS: contextvars.ContextVar[Tuple[ContextEntry, ...]] = contextvars.ContextVar(
     "astrai_attn_backend_contexts", default=()
 )
@@ -39,26 +43,19 @@ class _ThreadContexts(threading.local):
 THREAD_CONTEXTS = _ThreadContexts()
 
 
-class _OpenCount:
-    """How many contexts are open in the process, on every thread: zero lets a call skip
-    reading the thread's contexts (the common case, checked on every call)."""
-
-    def __init__(self):
-        self.value = 0
-        self._lock = threading.Lock()
-
-    def add(self, delta: int) -> None:
-        with self._lock:
-            self.value += delta
-
-
-OPEN_CONTEXTS = _OpenCount()
+# One item per entry that the C++ override stacks of all threads hold (a list: its append and pop
+# are atomic, so threads need no lock). Empty lets a call skip reading its thread's stack: the
+# common case, checked on every call.
+NATIVE_ENTRIES: List[None] = []
 
 
 def task_context() -> Optional[ContextEntry]:
     """The innermost context of the calling task (eager code)."""
     entries = TASK_CONTEXTS.get()
-    return entries[-1] if entries else None
+    for index in range(len(entries) - 1, -1, -1):  # usually returns at once
+        if not entries[index].withdrawn:
+            return entries[index]
+    return None
 
 
 def thread_context() -> Optional[ContextEntry]:
@@ -73,16 +70,19 @@ def thread_context() -> Optional[ContextEntry]:
 
 def _drop_exited(entries: List[ContextEntry]) -> None:
     """Removes the entries exited on other threads from this thread's mirror and C++ stack."""
+    if all(e.open for e in entries):
+        return
     for entry in [e for e in entries if not e.open]:
         entries.remove(entry)
         torch.ops.astr.pop_backend(entry.native_id)
+        NATIVE_ENTRIES.pop()
 
 
 def push_context(backend: AttentionBackend) -> ContextEntry:
     _drop_exited(THREAD_CONTEXTS.entries)
     native_id = torch.ops.astr.push_backend(backend.override_name())  # raises: nothing changed
     entry = ContextEntry(backend, native_id)
-    OPEN_CONTEXTS.add(1)
+    NATIVE_ENTRIES.append(None)
     THREAD_CONTEXTS.entries.append(entry)
     TASK_CONTEXTS.set(TASK_CONTEXTS.get() + (entry,))
     return entry
@@ -103,12 +103,17 @@ def pop_context(backend: AttentionBackend, entry: Optional[ContextEntry] = None)
     if entry is None or not entry.open:
         raise RuntimeError(f"attn_backend: {backend!r} is not an open context here")
     entry.open = False
-    OPEN_CONTEXTS.add(-1)
-    if entry in task:
+    if task and task[-1] is entry:  # the usual, innermost-first exit
+        TASK_CONTEXTS.set(task[:-1])
+    elif entry in task:
         TASK_CONTEXTS.set(tuple(e for e in task if e is not entry))
-    if entry in THREAD_CONTEXTS.entries:
-        THREAD_CONTEXTS.entries.remove(entry)
+    else:  # exited from a task or thread that did not enter it
+        entry.withdrawn = True
+    on_thread = THREAD_CONTEXTS.entries
+    if entry in on_thread:
+        on_thread.remove(entry)
         torch.ops.astr.pop_backend(entry.native_id)
+        NATIVE_ENTRIES.pop()
     # Else it was entered on another thread, which drops it from its C++ stack at its next enter
     # or exit; until then only that thread's direct torch.ops calls still see it.
     _drop_exited(THREAD_CONTEXTS.entries)
