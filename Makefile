@@ -30,8 +30,8 @@ test-cpp:
 compile-cuda:
 	$(PYTHON) scripts/compile_cuda.py
 
-bench: install
-	$(PYTHON) benchmarks/bench_attention.py
+bench: install  # BENCH_ARGS="--quick", "--baseline-lib PATH": benchmarks/README.md
+	$(PYTHON) benchmarks/bench_attention.py $(BENCH_ARGS)
 
 format:
 	clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cpp/*.cpp')

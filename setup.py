@@ -1,21 +1,31 @@
 """Builds astrai's one native library, astrai/_C.so, with torch's cpp_extension (ninja).
 
 CUDA sources are compiled when torch has CUDA and nvcc is found; otherwise a CPU build.
+The paged-attention kernels are compiled from instantiation files that
+scripts/generate_instantiations.py writes into build/generated/ from the one config list
+(csrc/kernels/paged_attention/config.h).
+
 Environment:
   ASTR_FORCE_CPU=1        build without CUDA even where it is available
   TORCH_CUDA_ARCH_LIST    archs to build (default: the local GPU, else "8.0;9.0"); 9.0 is built
                           as 9.0a (wgmma)
+  ASTR_HEAD_DIM=D         development build: the kernels of one head dim only (the library then
+                          reports, and its resolver accepts, only that head dim)
   MAX_JOBS, NVCC_THREADS  parallelism (honoured by torch's ninja build)
 """
 
 import glob
 import os
+import sys
 
 import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import generate_instantiations  # noqa: E402
 
 
 def want_cuda() -> bool:
@@ -53,10 +63,15 @@ def extension():
         ("Py_LIMITED_API", "0x03090000"),
     ]
     cxx_flags = ["-O3"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    only_head_dim = os.environ.get("ASTR_HEAD_DIM")
+    if only_head_dim:
+        macros.append(("ASTRAI_ONLY_HEAD_DIM", str(int(only_head_dim))))
     if not with_cuda:
         return CppExtension(
             "astrai._C",
             cpp,
+            include_dirs=include_dirs,
             define_macros=macros,
             extra_compile_args={"cxx": cxx_flags},
             py_limited_api=True,
@@ -72,15 +87,17 @@ def extension():
     ]
     if "9.0a" in archs.split(";"):
         macros.append(("ASTR_WITH_SM90A", "1"))
-    if os.environ.get("ASTR_DECODE_TIMELINE", "0") == "1":  # benchmarks/decode_timeline.py
-        macros.append(("ASTR_DECODE_TIMELINE", "1"))
     nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     threads = os.environ.get("NVCC_THREADS")
     if threads:
         nvcc_flags.append(f"--threads={threads}")
+    generated = generate_instantiations.write(
+        os.path.join(ROOT, "build", "generated"), int(only_head_dim) if only_head_dim else None
+    )
     return CUDAExtension(
         "astrai._C",
-        cpp + sources("csrc/**/*.cu"),
+        cpp + sources("csrc/**/*.cu") + [os.path.relpath(p, ROOT) for p in generated],
+        include_dirs=include_dirs,
         define_macros=macros,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
         py_limited_api=True,

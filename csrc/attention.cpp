@@ -9,6 +9,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 
 #include "attention_args.h"
@@ -138,29 +139,22 @@ int64_t bounded_max_query_len(const at::Tensor& q, const std::optional<at::Tenso
 
 }  // namespace
 
-at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                     const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
-                     bool is_causal, std::optional<double> scale,
-                     const std::optional<at::Tensor>& k_cache,
-                     const std::optional<at::Tensor>& v_cache,
-                     const std::optional<at::Tensor>& block_table,
-                     const std::optional<at::Tensor>& seq_lens,
-                     const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-                     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
-                     std::optional<c10::string_view> selection) {
-  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
-  AttentionArgs args{
-      q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
-      v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
+namespace {
+
+AttentionResult run_attention(const AttentionArgs& args, std::optional<c10::string_view> backend,
+                              std::optional<c10::string_view> selection) {
   const CallDescription call = validate_and_describe(args);
   const Decision& decision = decide(call, backend, selection);
   ASTR_CHECK(decision.chosen.has_value(), decision.error);
   report_fallback(decision, call);
-  if (!backend && !selection && is_traced(q)) record_trace_state(q);
-  if (args.paged() && is_empty_batch(*seq_lens)) {
+  if (!backend && !selection && is_traced(args.q)) record_trace_state(args.q);
+  if (args.paged() && is_empty_batch(*args.seq_lens)) {
     // No sequence, so no query token (validated): the answer is empty, whatever the backend
-    // (whose gathers would size buffers by the batch). Tied to q so that autograd sees it.
-    return at::zeros({0, q.size(1), v_cache->size(3)}, q.options()) + q.sum() * 0;
+    // (whose gathers size buffers by the batch). Tied to q so that autograd sees it.
+    const at::Tensor& q = args.q;
+    const at::Tensor out =
+        at::zeros({0, q.size(1), args.v_cache->size(3)}, q.options()) + q.sum() * 0;
+    return {out, at::empty({0, q.size(1)}, q.options().dtype(at::kFloat))};
   }
   switch (*decision.chosen) {
     case Backend::kCuda:
@@ -173,19 +167,106 @@ at::Tensor attention(const at::Tensor& q, const std::optional<at::Tensor>& k,
   ASTR_CHECK(false, "unreachable backend");
 }
 
-std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                    const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
-                    bool is_causal, std::optional<double> scale,
-                    const std::optional<at::Tensor>& k_cache,
-                    const std::optional<at::Tensor>& v_cache,
-                    const std::optional<at::Tensor>& block_table,
-                    const std::optional<at::Tensor>& seq_lens,
-                    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-                    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
-                    std::optional<c10::string_view> selection) {
-  AttentionArgs args{
-      q,       k,           v,        attn_mask,       is_causal,     scale,           k_cache,
-      v_cache, block_table, seq_lens, query_start_loc, max_query_len, parse_mode(mode)};
+}  // namespace
+
+at::Tensor attention(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
+  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
+  AttentionArgs args{q,
+                     k,
+                     v,
+                     attn_mask,
+                     is_causal,
+                     scale,
+                     k_cache,
+                     v_cache,
+                     block_table,
+                     seq_lens,
+                     query_start_loc,
+                     max_query_len,
+                     parse_mode(mode),
+                     window_left,
+                     softcap,
+                     sinks,
+                     false,
+                     k_scale,
+                     v_scale};
+  return std::get<0>(run_attention(args, backend, selection));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_lse(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, bool return_lse) {
+  ASTR_CHECK_VALUE(return_lse,
+                   "return_lse: attention.lse returns (out, lse); call attention without "
+                   "return_lse for out alone");
+  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
+  AttentionArgs args{q,
+                     k,
+                     v,
+                     attn_mask,
+                     is_causal,
+                     scale,
+                     k_cache,
+                     v_cache,
+                     block_table,
+                     seq_lens,
+                     query_start_loc,
+                     max_query_len,
+                     parse_mode(mode),
+                     window_left,
+                     softcap,
+                     sinks,
+                     true,
+                     k_scale,
+                     v_scale};
+  return run_attention(args, backend, selection);
+}
+
+std::string explain(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    int64_t window_left, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+    bool return_lse, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, std::optional<c10::string_view> selection) {
+  AttentionArgs args{q,
+                     k,
+                     v,
+                     attn_mask,
+                     is_causal,
+                     scale,
+                     k_cache,
+                     v_cache,
+                     block_table,
+                     seq_lens,
+                     query_start_loc,
+                     max_query_len,
+                     parse_mode(mode),
+                     window_left,
+                     softcap,
+                     sinks,
+                     return_lse,
+                     k_scale,
+                     v_scale};
   return decide(validate_and_describe(args), backend, selection).to_json();
 }
 

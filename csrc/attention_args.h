@@ -23,8 +23,17 @@ struct AttentionArgs {
   const std::optional<at::Tensor>& query_start_loc;  // int32 [B+1]; optional for decode
   int64_t max_query_len;
   dispatch::Mode mode;
+  // Variants (params.h in csrc/kernels/paged_attention has the definitions).
+  int64_t window_left;                     // -1: no window
+  std::optional<double> softcap;           // > 0 when set
+  const std::optional<at::Tensor>& sinks;  // float32 [Hq]
+  bool return_lse;
+  const std::optional<at::Tensor>& k_scale;  // FP8 cache: float32 [Hkv]
+  const std::optional<at::Tensor>& v_scale;
 
   bool paged() const { return k_cache.has_value(); }
+  // The softcap as the kernels take it: 0 when off.
+  double softcap_value() const { return softcap.value_or(0.0); }
   bool decode() const { return paged() && mode == dispatch::Mode::kDecode; }
   int64_t head_dim() const { return q.size(-1); }
   double resolved_scale() const;

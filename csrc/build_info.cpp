@@ -3,6 +3,7 @@
 #include <string>
 
 #include "dispatch/backend_status.h"
+#include "kernels/paged_attention/config.h"
 #include "ops.h"
 
 #ifndef ASTR_TORCH_VERSION
@@ -38,10 +39,44 @@ const bool cuda_status_recorded = [] {
 
 }  // namespace
 
+namespace {
+
+// What the cuda kernels were built for (config.h's list, less what a development build left
+// out), for `info` and the tests: {"head_dims": [...], "q_dtypes": [...], "forms": {D: [...]}}.
+std::string kernel_list_json() {
+  using astrai::kernels::HeadDimForms;
+  std::string dims, forms;
+  for (const HeadDimForms& row : astrai::kernels::kPagedHeadDims) {
+    if (!astrai::kernels::paged_head_dim_built(row.head_dim)) continue;
+    const std::string d = std::to_string(row.head_dim);
+    if (!dims.empty()) {
+      dims += ", ";
+      forms += ", ";
+    }
+    dims += d;
+    std::string list = "\"decode_split\", \"decode_cluster\", \"prefill_mma_sync\"";
+    if (row.decode_block_pairs) list += ", \"decode_block_pairs\"";
+    if (row.decode_eight_warps) list += ", \"decode_eight_warps\"";
+    if (row.decode_persistent) list += ", \"decode_persistent\"";
+    if (row.prefill_wgmma) list += ", \"prefill_wgmma\"";
+    forms += "\"" + d + "\": [" + list + "]";
+  }
+  std::string q_dtypes;
+#define ASTR_Q_DTYPE_NAME(enumerator, type, name) \
+  q_dtypes += std::string(q_dtypes.empty() ? "" : ", ") + "\"" + name + "\"";
+  ASTRAI_PAGED_Q_TYPES(ASTR_Q_DTYPE_NAME)
+#undef ASTR_Q_DTYPE_NAME
+  return "{\"head_dims\": [" + dims + "], \"q_dtypes\": [" + q_dtypes + "], \"forms\": {" + forms +
+         "}}";
+}
+
+}  // namespace
+
 std::string build_info() {
   return std::string("{\"torch_version\": \"") + ASTR_TORCH_VERSION +
          "\", \"with_cuda\": " + (built_with_cuda() ? "true" : "false") + ", \"cuda_version\": \"" +
-         ASTR_CUDA_VERSION + "\", \"cuda_archs\": \"" + ASTR_CUDA_ARCHS + "\"}";
+         ASTR_CUDA_VERSION + "\", \"cuda_archs\": \"" + ASTR_CUDA_ARCHS +
+         "\", \"paged_kernels\": " + kernel_list_json() + "}";
 }
 
 }  // namespace astr

@@ -10,6 +10,7 @@
 #include "attention_args.h"
 #include "check.h"
 #include "device_arch.h"
+#include "kernel_settings.h"
 
 namespace astr {
 
@@ -31,6 +32,10 @@ ScalarKind scalar_kind(at::ScalarType type) {
       return ScalarKind::kFloat32;
     case at::kDouble:
       return ScalarKind::kFloat64;
+    case at::kFloat8_e4m3fn:
+      return ScalarKind::kFloat8E4M3;
+    case at::kFloat8_e5m2:
+      return ScalarKind::kFloat8E5M2;
     default:
       return ScalarKind::kOther;
   }
@@ -145,14 +150,15 @@ std::string size_string(const c10::SymInt& size) {
 // synchronisation. On the GPU the kernels guard every index and poison the rows of a sequence
 // whose metadata is out of range with NaN.
 void validate_paged_values(const AttentionArgs& a, int64_t num_pages, int64_t page_size) {
-  const at::Tensor block_table = a.block_table->contiguous();
-  const at::Tensor seq_lens = a.seq_lens->contiguous();
+  // On the GPU (checked mode) the metadata is read back first: a host synchronisation.
+  const at::Tensor block_table = a.block_table->cpu().contiguous();
+  const at::Tensor seq_lens = a.seq_lens->cpu().contiguous();
   const int64_t batch = seq_lens.size(0);
   const int64_t width = block_table.size(1);
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::optional<at::Tensor> starts;
-  if (a.query_start_loc) starts = a.query_start_loc->contiguous();
+  if (a.query_start_loc) starts = a.query_start_loc->cpu().contiguous();
   const int32_t* start = starts ? starts->data_ptr<int32_t>() : nullptr;
   if (start) {
     ASTR_CHECK(start[0] == 0, "query_start_loc: must start at 0, got ", start[0]);
@@ -169,7 +175,9 @@ void validate_paged_values(const AttentionArgs& a, int64_t num_pages, int64_t pa
       ASTR_CHECK(q_len <= a.max_query_len, "max_query_len: ", a.max_query_len,
                  " is less than sequence ", b, "'s ", q_len, " new tokens");
     }
-    ASTR_CHECK(lens[b] >= q_len, "seq_lens: sequence ", b, " has length ", lens[b],
+    // A decode slot of length 0 is padding (zeros out); otherwise the new tokens are cached.
+    const bool padding = a.decode() && lens[b] == 0;
+    ASTR_CHECK(padding || lens[b] >= q_len, "seq_lens: sequence ", b, " has length ", lens[b],
                ", fewer than its ", q_len, " new tokens (seq_lens counts cached + new tokens)");
     ASTR_CHECK(lens[b] <= width * page_size, "seq_lens: sequence ", b, " has length ", lens[b],
                " but its block_table row holds only ", width, " pages of ", page_size, " tokens");
@@ -239,9 +247,23 @@ void validate_paged(const AttentionArgs& a) {
                "query token (",
                q.size(0), "), got shape ", shape_string(*a.attn_mask));
   }
-  if (q.device().is_cpu() && has_readable_data(*a.block_table) && has_readable_data(*a.seq_lens) &&
-      (!a.query_start_loc || has_readable_data(*a.query_start_loc))) {
-    validate_paged_values(a, k_cache.size(0), k_cache.size(1));
+  const bool readable = has_readable_data(*a.block_table) && has_readable_data(*a.seq_lens) &&
+                        (!a.query_start_loc || has_readable_data(*a.query_start_loc));
+  // CPU metadata is always validated (reading it costs no synchronisation); GPU metadata in the
+  // checked mode (kernel_settings.h), where a bad value raises here instead of giving NaN rows.
+  if (readable && (q.device().is_cpu() || metadata_checks_enabled())) {
+    try {
+      validate_paged_values(a, k_cache.size(0), k_cache.size(1));
+    } catch (const c10::Error& error) {
+      const std::string what = error.what_without_backtrace();
+      const bool capture = what.find("capture") != std::string::npos;
+      ASTR_CHECK(!capture,
+                 "metadata checks (ASTR_CHECK_METADATA / set_metadata_checks) read the paged "
+                 "metadata back to the host, which a CUDA graph capture does not allow: turn them "
+                 "off while capturing (",
+                 what, ")");
+      throw;
+    }
   }
 }
 
@@ -317,10 +339,48 @@ std::string cuda_layout_of(const at::Tensor& q, const at::Tensor& k_cache,
   return problem;
 }
 
+// The variants' arguments (their meaning: csrc/kernels/paged_attention/params.h), and the FP8
+// cache's scales. Whether a backend implements them is the capability rules' question.
+void validate_variants(const AttentionArgs& a) {
+  const at::Tensor& q = a.q;
+  ASTR_CHECK_VALUE(a.window_left >= -1 && a.window_left <= INT32_MAX,
+                   "window_left: expected -1 (no window) or a window of 0 to 2^31 - 1 earlier "
+                   "positions, got ",
+                   a.window_left);
+  ASTR_CHECK_VALUE(a.window_left < 0 || a.is_causal,
+                   "window_left: needs is_causal=True (a query at position p sees keys p - "
+                   "window_left .. p), got is_causal=False");
+  if (a.softcap) {
+    const double cap = *a.softcap;
+    ASTR_CHECK_VALUE(std::isfinite(cap) && cap > 0.0,
+                     "softcap: expected None or a finite value > 0, got ", cap);
+  }
+  const int64_t q_heads = q.size(-2);
+  if (a.sinks) {
+    const at::Tensor& sinks = *a.sinks;
+    ASTR_CHECK_VALUE(
+        sinks.scalar_type() == at::kFloat && sinks.dim() == 1 && sinks.size(0) == q_heads,
+        "sinks: expected a float32 tensor of shape [q_heads] = [", q_heads, "], got ",
+        sinks.scalar_type(), " of shape ", shape_string(sinks));
+    check_same_device(q, sinks, "sinks");
+  }
+  ASTR_CHECK_VALUE(a.k_scale.has_value() == a.v_scale.has_value(),
+                   "k_scale, v_scale: give both or neither");
+  if (a.k_scale) {
+    const int64_t kv_heads = a.paged() ? a.k_cache->size(2) : a.k->size(2);
+    for (auto [t, name] : {std::pair{&*a.k_scale, "k_scale"}, std::pair{&*a.v_scale, "v_scale"}}) {
+      ASTR_CHECK_VALUE(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == kv_heads,
+                       name, ": expected a float32 tensor of shape [kv_heads] = [", kv_heads,
+                       "], got ", t->scalar_type(), " of shape ", shape_string(*t));
+      check_same_device(q, *t, name);
+    }
+  }
+}
+
 bool any_requires_grad(const AttentionArgs& a) {
   if (!c10::GradMode::is_enabled()) return false;
   bool grad = a.q.requires_grad();
-  for (const auto* t : {&a.k, &a.v, &a.attn_mask, &a.k_cache, &a.v_cache}) {
+  for (const auto* t : {&a.k, &a.v, &a.attn_mask, &a.k_cache, &a.v_cache, &a.sinks}) {
     if (t->has_value()) grad |= (*t)->requires_grad();
   }
   return grad;
@@ -352,6 +412,7 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
   } else {
     validate_dense(a);
   }
+  validate_variants(a);
   CallDescription call;
   call.dtype = scalar_kind(a.q.scalar_type());
   call.device = device_kind(a.q.device());
@@ -374,6 +435,12 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
   call.mode = a.mode;
   call.needs_grad = any_requires_grad(a);
   call.is_causal = a.is_causal;
+  call.window = a.window_left >= 0;
+  call.softcap = a.softcap.has_value();
+  call.sinks = a.sinks.has_value();
+  call.lse = a.return_lse;
+  call.kv_dtype = scalar_kind((a.paged() ? *a.k_cache : *a.k).scalar_type());
+  call.kv_scales = a.k_scale.has_value();
   return call;
 }
 
@@ -404,6 +471,7 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
   call.mode = mode;
   call.needs_grad = c10::GradMode::is_enabled() && q.requires_grad();
   call.is_causal = is_causal;
+  call.kv_dtype = k_cache ? scalar_kind(k_cache->scalar_type()) : call.dtype;
   return call;
 }
 

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace astr {
 
@@ -27,7 +28,30 @@ at::Tensor attention(
     // The caller's observation of the thread's context and ASTR_BACKEND, in selected_backend()'s
     // form, used instead of reading them: the Python API passes it while torch.compile traces, so
     // the graph (and every cache keyed on it) records what the choice depended on.
-    std::optional<c10::string_view> selection);
+    std::optional<c10::string_view> selection,
+    int64_t window_left,                        // >= 0: keys p - window_left .. p; -1: off
+    std::optional<double> softcap,              // > 0: s -> softcap * tanh(s / softcap)
+    const std::optional<at::Tensor>& sinks,     // float32 [Hq]: one extra logit per q head
+    const std::optional<at::Tensor>& k_scale,   // FP8 cache: float32 [Hkv] dequant scales
+    const std::optional<at::Tensor>& v_scale);  // FP8 cache: float32 [Hkv]
+
+// attention, also returning lse (float32, out's shape without its last dim: the natural log of
+// each row's softmax denominator, sink included). return_lse must be true.
+std::tuple<at::Tensor, at::Tensor> attention_with_lse(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, bool return_lse);
+
+// Merges two partial attentions over disjoint key sets: out [..., D] and lse [...] (float32,
+// natural log) each; lse -inf marks a row that saw nothing. Returns (out, lse) of the union.
+std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                const at::Tensor& out_b, const at::Tensor& lse_b);
 
 // Inserted by `attention` into graphs that torch.compile traces when the choice was implicit:
 // at run time, raises if the thread's context or ASTR_BACKEND (`selected_backend`) differs from
@@ -36,16 +60,16 @@ at::Tensor attention(
 void check_trace_state(const at::Tensor& q, c10::string_view state);
 
 // Same arguments as `attention`; returns the decision as JSON text instead of running it.
-std::string explain(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                    const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& attn_mask,
-                    bool is_causal, std::optional<double> scale,
-                    const std::optional<at::Tensor>& k_cache,
-                    const std::optional<at::Tensor>& v_cache,
-                    const std::optional<at::Tensor>& block_table,
-                    const std::optional<at::Tensor>& seq_lens,
-                    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-                    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
-                    std::optional<c10::string_view> selection);
+std::string explain(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
+    int64_t window_left, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
+    bool return_lse, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, std::optional<c10::string_view> selection);
 
 // Reasons `backend` cannot run a call of this form ("" when it can), one per line.
 // `placement` adds the built/installed, device and arch rules.
@@ -70,6 +94,13 @@ std::string selected_backend();               // "context:cuda", "environment:to
 void set_backend_status(c10::string_view backend, bool available, c10::string_view reason,
                         int64_t version);
 std::string backend_status(c10::string_view backend);  // JSON {available, reason, version}
-std::string build_info();                              // JSON: torch version, CUDA, archs
+std::string build_info();  // JSON: torch version, CUDA, archs, what the kernels were built for
+
+// The cuda backend's kernel tuning (csrc/kernels/paged_attention/plan.h: KernelTuning) and the
+// checked mode for paged metadata (csrc/backends/cuda_paged_attention.cu).
+void set_kernel_tuning(c10::string_view tuning);
+std::string kernel_tuning();
+void set_metadata_checks(bool enabled);
+bool metadata_checks();
 
 }  // namespace astr

@@ -6,13 +6,31 @@
 #include "ops.h"
 
 TORCH_LIBRARY(astr, m) {
-  // Attention over dense q/k/v or a paged KV cache; picks the backend (see csrc/dispatch).
+  // Attention over dense q/k/v or a paged KV cache; picks the backend (see csrc/dispatch). The
+  // variants (window_left, softcap, sinks) and FP8 cache scales (k_scale, v_scale) are optional.
   m.def(
       "attention(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
       "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
       "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
-      "int max_query_len=0, str? mode=None, str? backend=None, str? selection=None) -> Tensor");
+      "int max_query_len=0, str? mode=None, str? backend=None, str? selection=None, "
+      "int window_left=-1, float? softcap=None, Tensor? sinks=None, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> Tensor");
   m.impl("attention", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::attention));
+  // The same, also returning each row's log-sum-exp: attention(..., return_lse=True) resolves to
+  // this overload (return_lse must be True).
+  m.def(
+      "attention.lse(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
+      "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
+      "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
+      "int max_query_len=0, str? mode=None, str? backend=None, str? selection=None, "
+      "int window_left=-1, float? softcap=None, Tensor? sinks=None, Tensor? k_scale=None, "
+      "Tensor? v_scale=None, *, bool return_lse) -> (Tensor, Tensor)");
+  m.impl("attention.lse", c10::DispatchKey::CompositeImplicitAutograd,
+         TORCH_FN(astr::attention_with_lse));
+
+  // Combines two partial attentions over disjoint key sets exactly, through their log-sum-exps.
+  m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  m.impl("merge_states", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::merge_states));
 
   // Writes new tokens' k/v into the paged pools through the slot mapping (mutates both pools).
   m.def(
@@ -24,24 +42,37 @@ TORCH_LIBRARY(astr, m) {
   m.impl("append_kv", c10::DispatchKey::Meta, TORCH_FN(astr::append_kv_meta));
 
   // The cuda backend: our paged prefill/decode kernels (CUDA key only; csrc/backends).
+  // Returns (out, lse): lse [T, Hq] float32 when return_lse, else an empty tensor.
   m.def(
       "cuda_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, int max_query_len, bool decode, "
-      "Tensor? attn_mask, bool is_causal, float scale) -> Tensor");
+      "Tensor? attn_mask, bool is_causal, float scale, int window_left=-1, float softcap=0.0, "
+      "Tensor? sinks=None, bool return_lse=False, Tensor? k_scale=None, Tensor? v_scale=None) "
+      "-> (Tensor, Tensor)");
+  // The kernel tuning string (csrc/kernels/paged_attention/plan.h: KernelTuning), "" = automatic.
+  m.def("set_kernel_tuning(str tuning) -> ()", &astr::set_kernel_tuning);
+  m.def("kernel_tuning() -> str", &astr::kernel_tuning);
+  // Checked mode: validate paged metadata on every call (a host synchronisation; off by default,
+  // on with ASTR_CHECK_METADATA=1).
+  m.def("set_metadata_checks(bool enabled) -> ()", &astr::set_metadata_checks);
+  m.def("metadata_checks() -> bool", &astr::metadata_checks);
 
   // The flash backend's entry points. Their kernels are registered from Python by the flash
   // probe (astrai/extension/backend/flash_ops.py), wrapping the flash-attn package's own API,
   // so the resolver reaches the package through the dispatcher.
-  m.def("flash_dense(Tensor q, Tensor k, Tensor v, bool is_causal, float scale) -> Tensor");
+  // Both return (out, lse); lse is empty unless return_lse. window_left -1 and softcap 0: off.
+  m.def(
+      "flash_dense(Tensor q, Tensor k, Tensor v, bool is_causal, float scale, "
+      "int window_left=-1, float softcap=0.0, bool return_lse=False) -> (Tensor, Tensor)");
   m.def(
       "flash_paged(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor query_start_loc, int max_query_len, bool decode, bool is_causal, float scale) "
-      "-> Tensor");
+      "Tensor query_start_loc, int max_query_len, bool decode, bool is_causal, float scale, "
+      "int window_left=-1, float softcap=0.0, bool return_lse=False) -> (Tensor, Tensor)");
   // Gradients of flash_dense, for packages whose Python functions are not torch ops
   // (FlashAttention-4): flash_dense's autograd formula calls it.
   m.def(
       "flash_dense_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, bool is_causal, "
-      "float scale) -> (Tensor, Tensor, Tensor)");
+      "float scale, int window_left=-1, float softcap=0.0) -> (Tensor, Tensor, Tensor)");
 
   // Recorded in compiled graphs by attention (implicit choices): raises at run time if the
   // context or ASTR_BACKEND differs from the one the graph was traced under. Side-effectful
@@ -55,7 +86,9 @@ TORCH_LIBRARY(astr, m) {
       "explain(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
       "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
       "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
-      "int max_query_len=0, str? mode=None, str? backend=None, str? selection=None) -> str",
+      "int max_query_len=0, str? mode=None, str? backend=None, int window_left=-1, "
+      "float? softcap=None, Tensor? sinks=None, bool return_lse=False, Tensor? k_scale=None, "
+      "Tensor? v_scale=None, str? selection=None) -> str",
       &astr::explain);
 
   // Why a backend cannot run a call of this form ("" when it can).

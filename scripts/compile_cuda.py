@@ -1,7 +1,8 @@
-"""Compiles every .cu file under csrc/ and benchmarks/ with nvcc for sm_80 and sm_90a (sm_90 with
-Hopper's arch-specific instructions, as setup.py builds it), without
-linking: CI's proof that the CUDA code builds on a machine with no GPU (and with a CPU build of
-torch, whose headers suffice to compile the bindings)."""
+"""Compiles every .cu file under csrc/, and every instantiation that
+scripts/generate_instantiations.py writes from the config list, with nvcc for sm_80 and sm_90a
+(sm_90 with Hopper's arch-specific instructions, as setup.py builds it), without linking: CI's
+proof that the CUDA code builds on a machine with no GPU (and with a CPU build of torch, whose
+headers suffice to compile the bindings)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 from torch.utils.cpp_extension import include_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 ARCHS = ("80", "90a")
+
+import generate_instantiations  # noqa: E402
 
 
 def nvcc() -> str:
@@ -61,6 +65,8 @@ def compile_one(source: str, arch: str) -> tuple[str, int, str]:
         *(["-DASTR_WITH_SM90A=1"] if arch == "90a" else []),
         "-I",
         sysconfig.get_paths()["include"],
+        "-I",
+        os.path.join(ROOT, "csrc"),
     ]
     for path in include_paths():
         cmd += ["-I", path]
@@ -74,11 +80,8 @@ def compile_one(source: str, arch: str) -> tuple[str, int, str]:
 
 
 def main() -> None:
-    sources = sorted(
-        source
-        for folder in ("csrc", "benchmarks")
-        for source in glob.glob(os.path.join(ROOT, folder, "**", "*.cu"), recursive=True)
-    )
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
+    sources += generate_instantiations.write(os.path.join(ROOT, "build-cu", "generated"))
     if not sources:
         print("compile_cuda: no .cu files")
         return

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One full pass on a GPU machine (the device): build, every test, the memory checker on a
 # small run, the demo and the benchmark. Logs go to $OUT (default /tmp/out).
+# BASELINE_DIR=<folder of this tree holding sources exported by
+# `BASELINE_EXPORT_ONLY=1 bash benchmarks/build_baseline.sh COMMIT <folder>`>: builds that older
+# library too and runs the benchmark as an A/B against it (benchmarks/README.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,7 +29,13 @@ if [ "${SKIP_DEMO:-0}" != 1 ]; then
   python3 -m astrai.demo 2>/dev/null | tee "$OUT/demo.txt"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  baseline=()
+  if [ -n "${BASELINE_DIR:-}" ]; then
+    step baseline build
+    lib=$(bash benchmarks/build_baseline.sh - "$BASELINE_DIR") || { echo "baseline: build failed"; exit 1; }
+    baseline=(--baseline-lib "$lib")
+  fi
   step bench
-  python3 benchmarks/bench_attention.py ${BENCH_ARGS:---quick} --out "$OUT" 2>&1 | tail -60
+  python3 benchmarks/bench_attention.py ${BENCH_ARGS:---quick} ${baseline[@]+"${baseline[@]}"} --out "$OUT" 2>&1 | tail -60
 fi
 step done

@@ -1,41 +1,43 @@
 """A small run of every cuda-backend kernel (append, decode with split-KV, prefill with a mask),
 for `compute-sanitizer --tool memcheck`: ragged lengths that end mid-page, shuffled pages,
-GQA, and a block table wider than any sequence needs. Decodes run in 2 splits, three times: as
-block pairs (D = 128 on sm_90), in a thread-block cluster (sm_90) and with the merge kernel, and
-in 1 split as eight-warp blocks (D = 128), for short sequences and for one of 1500 tokens;
-prefills twice: on wgmma (where it runs) and on mma.sync."""
+GQA, and a block table wider than any sequence needs. Every decode runs in each form the plan can
+be told to use (torch.ops.astr.set_kernel_tuning): 2 splits as block pairs (D = 128 on sm_90), in a
+thread-block cluster (sm_90) and with the merge kernel, 1 split as eight-warp blocks (D = 128) and
+as the persistent decode on 2 blocks (so each block claims several items), for short sequences and
+for one of 1500 tokens; prefills twice: on wgmma (where it runs) and on mma.sync. A form that
+cannot run a shape leaves the choice to the plan, as in the kernel tests. Then the variants
+(window, softcap, sinks, lse) through every form, and bad metadata (page ids outside the pool,
+lengths past the block table, negative lengths, a decreasing query_start_loc) that the kernels
+must survive without reading outside their tensors."""
 
-import os
+import torch
 
-os.environ.setdefault("ASTR_TUNE_KERNELS", "1")  # before the first call: arms the kernel switches
+import astrai.extension  # noqa: F401  (loads the library)
 
-import torch  # noqa: E402
-
-import astrai.extension  # noqa: F401, E402  (loads the library)
-
-# The binding's switches of each way to merge 2 decode splits, and of one split as eight-warp
-# blocks (read on every call).
-TWO = {"ASTR_DECODE_SPLITS": "2"}  # the only count merged in a pair
-MERGES = (
-    {**TWO, "ASTR_DECODE_BLOCK_PAIRS": "1"},  # block pairs where they run (D = 128), else a cluster
-    {**TWO, "ASTR_DECODE_BLOCK_PAIRS": "0"},  # a cluster
-    {**TWO, "ASTR_DECODE_CLUSTER_MERGE": "0"},  # the merge kernel
-    {"ASTR_DECODE_SPLITS": "1", "ASTR_DECODE_EIGHT_WARPS": "1"},  # eight-warp blocks (D = 128)
+DECODE_FORMS = (
+    "decode_form=block_pairs,decode_splits=2",
+    "decode_form=cluster,decode_splits=2",
+    "decode_form=split,decode_splits=2",  # the merge kernel
+    "decode_form=eight_warps,decode_splits=1",
+    "decode_form=persistent,persistent_blocks=2",
 )
-SWITCHES = ("ASTR_DECODE_SPLITS", "ASTR_DECODE_BLOCK_PAIRS", "ASTR_DECODE_CLUSTER_MERGE")
-SWITCHES += ("ASTR_DECODE_EIGHT_WARPS",)
+PREFILL_KERNELS = ("prefill_kernel=wgmma", "prefill_kernel=mma_sync")
 
 
-def set_merge(switches: dict) -> None:
-    for name in SWITCHES:
-        os.environ.pop(name, None)
-    os.environ.update(switches)
+def paged_attention(tuning: str, *args):
+    """torch.ops.astr.cuda_paged_attention(*args) with the plan told `tuning`; the automatic
+    choice again afterwards."""
+    torch.ops.astr.set_kernel_tuning(tuning)
+    try:
+        return torch.ops.astr.cuda_paged_attention(*args)[0]
+    finally:
+        torch.ops.astr.set_kernel_tuning("")
 
 
 def main() -> None:
     torch.manual_seed(0)
     device, dtype = "cuda", torch.bfloat16
-    for head_dim, page_size in ((64, 1), (128, 16), (256, 64)):
+    for head_dim, page_size in ((64, 1), (96, 16), (128, 16), (256, 64)):
         pages, kv_heads, q_heads = 64, 2, 8
         k_cache = torch.randn(pages, page_size, kv_heads, head_dim, device=device, dtype=dtype)
         v_cache = torch.randn_like(k_cache)
@@ -50,32 +52,10 @@ def main() -> None:
         torch.ops.astr.append_kv(k_new, k_new, k_cache, v_cache, slots)
         q = torch.randn(tokens, q_heads, head_dim, device=device, dtype=dtype)
         mask = torch.rand(tokens, page_size * 3 + 1, device=device) > 0.3
-        prefills = []
-        for wgmma in ("1", "0"):
-            os.environ["ASTR_PREFILL_WGMMA"] = wgmma
-            prefills.append(
-                torch.ops.astr.cuda_paged_attention(
-                    q, k_cache, v_cache, block_table, seq_lens, starts, 4, False, mask, True, 0.1
-                )
-            )
-        decodes = []
-        for merge in MERGES:
-            set_merge(merge)
-            decodes.append(
-                torch.ops.astr.cuda_paged_attention(
-                    q[:3],
-                    k_cache,
-                    v_cache,
-                    block_table,
-                    seq_lens,
-                    starts,
-                    1,
-                    True,
-                    None,
-                    False,
-                    0.1,
-                )
-            )
+        prefill = (q, k_cache, v_cache, block_table, seq_lens, starts, 4, False, mask, True, 0.1)
+        prefills = [paged_attention(kernel, *prefill) for kernel in PREFILL_KERNELS]
+        decode = (q[:3], k_cache, v_cache, block_table, seq_lens, starts, 1, True, None, False, 0.1)
+        decodes = [paged_attention(form, *decode) for form in DECODE_FORMS]
         # One longer sequence (24 tiles of 64, 12 per split): the pipeline past its prologue.
         long_len = 1500
         long_pages = -(-long_len // page_size)
@@ -86,30 +66,46 @@ def main() -> None:
         long_table = torch.randperm(long_pages + 3, device=device)[:long_pages].view(1, -1).int()
         long_lens = torch.tensor([long_len], dtype=torch.int32, device=device)
         long_q = torch.randn(1, q_heads, head_dim, device=device, dtype=dtype)
-        long_decodes = []
-        for merge in MERGES:
-            set_merge(merge)
-            long_decodes.append(
-                torch.ops.astr.cuda_paged_attention(
-                    long_q,
-                    long_k,
-                    long_v,
-                    long_table,
-                    long_lens,
-                    starts[:2],
-                    1,
-                    True,
-                    None,
-                    True,
-                    0.1,
-                )
-            )
+        long_decode = (long_q, long_k, long_v, long_table, long_lens, starts[:2], 1, True, None)
+        long_decode += (True, 0.1)
+        long_decodes = [paged_attention(form, *long_decode) for form in DECODE_FORMS]
         torch.cuda.synchronize()
         assert all(torch.isfinite(x).all() for x in prefills + decodes + long_decodes)
         assert torch.allclose(prefills[0].float(), prefills[1].float(), atol=2e-2)
-        for other in range(1, len(MERGES)):
+        for other in range(1, len(DECODE_FORMS)):
             assert torch.allclose(decodes[0].float(), decodes[other].float(), atol=2e-2)
             assert torch.allclose(long_decodes[0].float(), long_decodes[other].float(), atol=2e-2)
+        # The variants: a window, a softcap, sinks and the lse, through every form.
+        sinks = torch.randn(q_heads, device=device)
+        variants = (16, 3.0, sinks, True)
+        for form in DECODE_FORMS:
+            out = paged_attention(form, *long_decode, *variants)
+            assert torch.isfinite(out).all()
+        for kernel in PREFILL_KERNELS:
+            assert torch.isfinite(paged_attention(kernel, *prefill, *variants)).all()
+        # Bad metadata: never an access outside the tensors (the memory checker's part); the
+        # sequences concerned come back as NaN.
+        pool = k_cache.shape[0]
+        for bad_page in (-5, pool, 1 << 30):
+            table = block_table.clone()
+            table[2, 0] = bad_page
+            for form in DECODE_FORMS:
+                paged_attention(form, q[:3], k_cache, v_cache, table, *decode[4:])
+            for kernel in PREFILL_KERNELS:
+                paged_attention(kernel, q, k_cache, v_cache, table, *prefill[4:])
+        for lens in ([1, -7, 3], [1, 5, width * page_size + 100]):
+            bad_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            for form in DECODE_FORMS:
+                paged_attention(form, q[:3], k_cache, v_cache, block_table, bad_lens, *decode[5:])
+            for kernel in PREFILL_KERNELS:
+                args = (q, k_cache, v_cache, block_table, bad_lens, *prefill[5:])
+                paged_attention(kernel, *args)
+        for bad_starts in ([0, 4, 1, 8], [0, 1, 4, 40], [0, -3, 4, 8]):
+            starts_bad = torch.tensor(bad_starts, dtype=torch.int32, device=device)
+            for kernel in PREFILL_KERNELS:
+                args = (q, k_cache, v_cache, block_table, seq_lens, starts_bad, *prefill[6:])
+                paged_attention(kernel, *args)
+        torch.cuda.synchronize()
         print(f"head_dim {head_dim} page_size {page_size}: ok")
 
 

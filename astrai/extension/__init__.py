@@ -19,6 +19,7 @@ from .backend.attention import (
     attn_backend,
     explain,
     get_backend,
+    merge_states,
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
 
@@ -37,4 +38,5 @@ __all__ = [
     "attn_backend",
     "explain",
     "get_backend",
+    "merge_states",
 ]

@@ -9,19 +9,32 @@ import torch
 
 from . import ops
 from .backend.attention import _priority_backends
-from .backend.cuda import CudaBackend, cuda_unavailable_reason
-from .backend.flash import probe_flash
+from .backend.registry import BUILTIN_BACKENDS
 
-CAPABILITIES = [
-    ("", "cuda", "flash", "torch_native"),
-    ("calls", "paged prefill, decode", "dense, training, paged", "all"),
-    ("devices", "CUDA sm_80+", "CUDA sm_80+ (FA3: sm_90, FA4: sm_90+)", "any SDPA device"),
-    ("dtypes", "fp16, bf16", "fp16, bf16", "fp16, bf16, fp32, fp64"),
-    ("head dims", "64, 128, 256", "multiples of 8 up to 256", "any"),
-    ("page sizes", "1, 2, 4, ..., 256", "FA2: multiples of 256; FA3/4: any", "any"),
-    ("masks", "none, causal, bool", "none, causal", "none, causal, bool, additive"),
-    ("gradients", "no", "dense: yes", "yes"),
-]
+
+def _cuda_kernel_list() -> dict:
+    """What the cuda kernels were built for (csrc/kernels/paged_attention/config.h's list)."""
+    return ops.BUILD_INFO["paged_kernels"]
+
+
+def capabilities() -> list:
+    """The capability table; the cuda column's head dims and dtypes come from the library."""
+    kernels = _cuda_kernel_list()
+    head_dims = ", ".join(str(d) for d in kernels["head_dims"])
+    dtypes = ", ".join(kernels["q_dtypes"])
+    return [
+        ("", "cuda", "flash", "torch_native"),
+        ("calls", "paged prefill, decode", "dense, training, paged", "all"),
+        ("devices", "CUDA sm_80+", "CUDA sm_80+ (FA3: sm_90, FA4: sm_90+)", "any SDPA device"),
+        ("dtypes", dtypes, "float16, bfloat16", "float16, bfloat16, float32, float64"),
+        ("head dims", head_dims, "multiples of 8 up to 256", "any"),
+        ("page sizes", "1, 2, 4, ..., 256", "FA2: multiples of 256; FA3/4: any", "any"),
+        ("masks", "none, causal, bool", "none, causal", "none, causal, bool, additive"),
+        ("window, softcap", "yes", "yes (the package's own)", "yes"),
+        ("sinks", "yes", "no", "yes"),
+        ("return_lse", "yes", "yes", "yes"),
+        ("gradients", "no", "dense: yes", "yes (sinks too)"),
+    ]
 
 
 def report() -> str:
@@ -44,24 +57,16 @@ def report() -> str:
             else "CPU only"
         )
     )
-    flash = probe_flash()
-    rows = [
-        (
-            "cuda",
-            CudaBackend.available(),
-            cuda_unavailable_reason() or ops.backend_status("cuda")["reason"],
-        ),
-        ("flash", flash.available, flash.reason),
-        ("torch_native", True, "at::scaled_dot_product_attention"),
-    ]
+    rows = [(cls.name, cls.available(), cls.status_reason()) for cls in BUILTIN_BACKENDS]
     lines.append("")
     lines.append("backend        available  why")
     for name, available, why in rows:
         lines.append(f"{name:<14} {'yes' if available else 'no':<10} {why}")
     lines.append("default order: " + " > ".join(b.name for b in _priority_backends()))
     lines.append("")
-    widths = [max(len(row[i]) for row in CAPABILITIES) for i in range(4)]
-    for row in CAPABILITIES:
+    table = capabilities()
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    for row in table:
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return "\n".join(lines)
 

@@ -53,8 +53,16 @@ def _cuda_paged_attention_fake(
     attn_mask,
     is_causal,
     scale,
+    window_left=-1,
+    softcap=0.0,
+    sinks=None,
+    return_lse=False,
+    k_scale=None,
+    v_scale=None,
 ):
-    return q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
+    lse_shape = (q.shape[0], q.shape[1]) if return_lse else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
 # astr::append_kv has a Meta kernel in C++ (csrc/registration.cpp), which fake tensors run: it
@@ -89,7 +97,13 @@ def cuda_paged_attention(
     attn_mask: Optional[torch.Tensor],  # bool [T, K]
     is_causal: bool,
     scale: float,
-) -> torch.Tensor:  # [T, Hq, D]
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,  # float32 [Hq]
+    return_lse: bool = False,
+    k_scale: Optional[torch.Tensor] = None,  # FP8 cache: float32 [Hkv]
+    v_scale: Optional[torch.Tensor] = None,
+) -> tuple:  # ([T, Hq, D], float32 [T, Hq] or empty)
     return torch.ops.astr.cuda_paged_attention(
         q,
         k_cache,
@@ -102,7 +116,24 @@ def cuda_paged_attention(
         attn_mask,
         is_causal,
         scale,
+        window_left,
+        softcap,
+        sinks,
+        return_lse,
+        k_scale,
+        v_scale,
     )
+
+
+def set_kernel_tuning(tuning: str) -> None:
+    """The cuda backend's kernel tuning, e.g. "decode_form=persistent,persistent_blocks=3"
+    ("" = automatic); csrc/kernels/paged_attention/plan.h documents the keys."""
+    torch.ops.astr.set_kernel_tuning(tuning)
+
+
+def set_metadata_checks(enabled: bool) -> None:
+    """Checked mode: validate paged metadata on every call (a host synchronisation)."""
+    torch.ops.astr.set_metadata_checks(enabled)
 
 
 def backend_status(name: str) -> dict:

@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "../check.h"
-#include "../kernels/launch.h"
+#include "../kernels/append_kv/append_kv.h"
 #include "append_kv_checks.h"
 
 namespace astrai::backends {

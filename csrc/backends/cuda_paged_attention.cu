@@ -1,5 +1,6 @@
-// Binding of the cuda backend's paged attention kernels (csrc/kernels/) to the op
-// astr::cuda_paged_attention. Checks every argument, fills the parameter struct, launches on the
+// Binding of the cuda backend's paged attention kernels (csrc/kernels/paged_attention/) to the op
+// astr::cuda_paged_attention: tensors -> params -> plan -> launch. Checks every argument, fills
+// the parameter struct, asks for the plan (plan.h: which form, splits, grid), launches on the
 // current stream. No host synchronisation and no allocation that depends on tensor values: the
 // decode path can be captured in a CUDA graph and replayed with new seq_lens.
 #include <ATen/ATen.h>
@@ -9,62 +10,17 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
 
 #include "../check.h"
-#include "../kernels/launch.h"
-#include "../kernels/paged_decode_splits.h"
+#include "../kernel_settings.h"
+#include "../kernels/paged_attention/config.h"
+#include "../kernels/paged_attention/launch.h"
 
 namespace astrai::backends {
 namespace {
-
-// Tuning hooks for benchmarks/sweep_decode_splits.py, the A/B runs and the kernel tests: with
-// ASTR_TUNE_KERNELS set before the first call, ASTR_DECODE_SPLITS forces the decode split count,
-// ASTR_DECODE_CLUSTER_MERGE=0 turns the in-cluster and in-block merges off (the merge kernel),
-// ASTR_DECODE_BLOCK_PAIRS=0 the block pairs only (clusters where they run) and =1 runs block pairs
-// wherever they can, also on grids they do not fill, ASTR_DECODE_EIGHT_WARPS=0 keeps the block
-// pairs where eight-warp blocks would replace them and =1 runs eight-warp blocks where the split
-// rule's block pairs would run (at any length) or where 1 split is forced (other forced counts are
-// kept), ASTR_DECODE_PERSISTENT=0 keeps one split on single blocks where the persistent decode
-// would run and =1 runs it wherever one split runs (also in place of eight-warp blocks),
-// ASTR_DECODE_PERSISTENT_BLOCKS=n gives it a grid of n blocks (at most the item count) instead of
-// one per SM (tests: several items per block on small batches), ASTR_DECODE_EARLY_START=0 launches
-// the persistent decode after its counter's reset instead of as its dependent launch,
-// ASTR_PREFILL_WGMMA=0 keeps prefill on the mma.sync kernel and =1 puts it on wgmma wherever that
-// runs, whatever the head dim pays (all read on every call). Otherwise one branch on a static.
-bool kernel_tuning() {
-  static const bool tuning = std::getenv("ASTR_TUNE_KERNELS") != nullptr;
-  return tuning;
-}
-bool tuning_switch_is_off(const char* name) {
-  if (!kernel_tuning()) return false;
-  const char* value = std::getenv(name);
-  return value != nullptr && std::string(value) == "0";
-}
-bool tuning_switch_is_on(const char* name) {
-  if (!kernel_tuning()) return false;
-  const char* value = std::getenv(name);
-  return value != nullptr && std::string(value) == "1";
-}
-kernels::PrefillKernel prefill_kernel_override() {
-  if (!kernel_tuning()) return kernels::PrefillKernel::kAuto;
-  const char* value = std::getenv("ASTR_PREFILL_WGMMA");
-  if (value == nullptr) return kernels::PrefillKernel::kAuto;
-  return std::string(value) == "0" ? kernels::PrefillKernel::kMmaSync
-                                   : kernels::PrefillKernel::kWgmma;
-}
-int decode_persistent_grid_override() {
-  if (!kernel_tuning()) return 0;
-  const char* value = std::getenv("ASTR_DECODE_PERSISTENT_BLOCKS");
-  return value == nullptr ? 0 : std::max(0, std::atoi(value));
-}
-int decode_split_count_override() {
-  if (!kernel_tuning()) return 0;
-  const char* value = std::getenv("ASTR_DECODE_SPLITS");
-  return value == nullptr ? 0 : std::max(0, std::min(std::atoi(value), 65535));
-}
 
 using kernels::ScalarType;
 
@@ -90,16 +46,26 @@ void check_int32_vector(const at::Tensor& t, const char* name, int64_t expected_
              " must be contiguous");
 }
 
-// cp.async moves 16 bytes: base pointer and every stride of a 16-bit tensor must be multiples of 8
-// elements.
+void check_float_vector(const at::Tensor& t, const char* name, int64_t expected_len,
+                        const at::Device& device) {
+  check_cuda_tensor(t, name, device);
+  ASTR_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == expected_len,
+             "cuda_paged_attention: ", name, " must be float32 of shape [", expected_len, "], got ",
+             t.scalar_type(), " ", t.sizes());
+  ASTR_CHECK(t.stride(0) == 1 || t.size(0) <= 1, "cuda_paged_attention: ", name,
+             " must be contiguous");
+}
+
+// cp.async moves 16 bytes: base pointer and every stride must be multiples of 16 bytes.
 void check_16_byte_rows(const at::Tensor& t, const char* name) {
+  const int64_t per_16_bytes = 16 / t.element_size();
   ASTR_CHECK(t.stride(-1) == 1, "cuda_paged_attention: ", name,
              " must have a contiguous last dim (stride 1), got strides ", t.strides());
   ASTR_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "cuda_paged_attention: ", name,
              " must be 16-byte aligned");
   for (int64_t d = 0; d + 1 < t.dim(); ++d)
-    ASTR_CHECK(t.stride(d) % 8 == 0 || t.size(d) == 1, "cuda_paged_attention: ", name,
-               " strides must be multiples of 8 elements (16 bytes), got ", t.strides());
+    ASTR_CHECK(t.stride(d) % per_16_bytes == 0 || t.size(d) == 1, "cuda_paged_attention: ", name,
+               " strides must be multiples of 16 bytes, got ", t.strides());
 }
 
 int log2_of_power_of_two(int64_t value) {
@@ -108,12 +74,13 @@ int log2_of_power_of_two(int64_t value) {
   return log2;
 }
 
-at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                const at::Tensor& v_cache, const at::Tensor& block_table,
-                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                                int64_t max_query_len, bool decode,
-                                const std::optional<at::Tensor>& attn_mask, bool is_causal,
-                                double scale) {
+std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    int64_t max_query_len, bool decode, const std::optional<at::Tensor>& attn_mask, bool is_causal,
+    double scale, int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks,
+    bool return_lse, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale) {
   ASTR_CHECK(q.is_cuda(), "cuda_paged_attention: q must be a CUDA tensor, got device ", q.device());
   const at::Device device = q.device();
   ASTR_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -121,7 +88,7 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   ASTR_CHECK(q.dim() == 3, "cuda_paged_attention: q must have shape [T, Hq, D] (rank 3), got ",
              q.sizes());
   const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
-  ASTR_CHECK(kernels::is_supported_head_dim(static_cast<int>(head_dim)),
+  ASTR_CHECK(kernels::paged_head_dim_forms(static_cast<int>(head_dim)) != nullptr,
              "cuda_paged_attention: q: ", kernels::unsupported_head_dim_message(head_dim));
   check_16_byte_rows(q, "q");
 
@@ -144,6 +111,9 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   ASTR_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0,
              "cuda_paged_attention: q heads (", num_q_heads,
              ") must be a multiple of k_cache kv heads (", num_kv_heads, ")");
+  ASTR_CHECK(k_cache.size(0) <= INT32_MAX, "cuda_paged_attention: k_cache has too many pages");
+  ASTR_CHECK(!k_scale && !v_scale,
+             "cuda_paged_attention: k_scale/v_scale are only for an FP8 KV cache");
 
   check_cuda_tensor(block_table, "block_table", device);
   ASTR_CHECK(block_table.scalar_type() == at::kInt,
@@ -182,17 +152,25 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
     mask_stride = mask.stride(0);
     mask_kv_len = mask.size(1);
   }
+  ASTR_CHECK(window_left >= -1 && window_left <= INT32_MAX,
+             "cuda_paged_attention: window_left must be -1 or in [0, 2^31 - 1], got ", window_left);
+  ASTR_CHECK(std::isfinite(softcap) && softcap >= 0.0,
+             "cuda_paged_attention: softcap must be 0 (off) or a finite value > 0, got ", softcap);
+  if (sinks) check_float_vector(*sinks, "sinks", num_q_heads, device);
   ASTR_CHECK(num_tokens <= INT32_MAX && num_seqs <= INT32_MAX,
              "cuda_paged_attention: too many tokens");
 
   const c10::cuda::CUDAGuard guard(device);
   at::Tensor out = at::empty({num_tokens, num_q_heads, head_dim}, q.options());
-  if (num_tokens == 0) return out;
+  at::Tensor lse = return_lse ? at::empty({num_tokens, num_q_heads}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  if (num_tokens == 0) return {out, lse};
 
   kernels::PagedAttentionParams base{};
   base.q = q.data_ptr();
   base.q_stride_token = q.stride(0);
   base.q_stride_head = q.stride(1);
+  base.q_dtype = to_kernel_dtype(q.scalar_type());
   base.k_cache = k_cache.data_ptr();
   base.v_cache = v_cache.data_ptr();
   base.k_stride_page = k_cache.stride(0);
@@ -201,13 +179,20 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   base.v_stride_page = v_cache.stride(0);
   base.v_stride_slot = v_cache.stride(1);
   base.v_stride_head = v_cache.stride(2);
+  base.kv_dtype = to_kernel_dtype(k_cache.scalar_type());
+  base.num_pages = static_cast<int>(k_cache.size(0));
   base.block_table = block_table.data_ptr<int32_t>();
   base.block_table_stride = block_table.stride(0);
-  base.block_table_width = static_cast<int>(block_table.size(1));
+  base.block_table_width = static_cast<int>(std::min<int64_t>(block_table.size(1), INT32_MAX));
   base.seq_lens = seq_lens.data_ptr<int32_t>();
   base.attn_mask = mask_ptr;
   base.mask_stride_token = mask_stride;
   base.mask_kv_len = static_cast<int>(std::min<int64_t>(mask_kv_len, INT32_MAX));
+  base.window_left = static_cast<int>(window_left);
+  base.softcap = static_cast<float>(softcap);
+  base.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
+  base.lse = return_lse ? lse.data_ptr<float>() : nullptr;
+  base.lse_stride_token = num_q_heads;
   base.out = out.data_ptr();
   base.out_stride_token = out.stride(0);
   base.out_stride_head = out.stride(1);
@@ -219,92 +204,49 @@ at::Tensor cuda_paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
   base.log2_page_size = log2_of_power_of_two(page_size);
   base.is_causal = is_causal;
   base.scale = static_cast<float>(scale);
-  base.dtype = to_kernel_dtype(q.scalar_type());
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const kernels::DeviceFacts device_facts = kernels::current_device_facts();
+  const kernels::KernelTuning tuning = astr::current_kernel_tuning();
   kernels::LaunchStatus status;
   if (decode) {
     kernels::PagedDecodeParams params{};
     static_cast<kernels::PagedAttentionParams&>(params) = base;
-    const int64_t max_kv_len = std::min<int64_t>(block_table.size(1) * page_size, INT32_MAX);
-    int num_sms = 0;
-    C10_CUDA_CHECK(
-        cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device.index()));
-    params.num_splits =
-        kernels::paged_decode_num_splits(base.num_seqs, base.num_q_heads, base.num_kv_heads,
-                                         static_cast<int>(max_kv_len), base.head_dim, num_sms);
-    const int forced_split_count = decode_split_count_override();
-    if (forced_split_count > 0) params.num_splits = forced_split_count;
-    const bool pairs_fill_gpu = kernels::paged_decode_block_pairs_fill_gpu(
-        base.num_seqs, base.num_q_heads, base.num_kv_heads, num_sms);
-    params.merge_in_block_pairs =
-        kernels::paged_decode_can_merge_in_block_pairs(params.num_splits, base.head_dim) &&
-        (pairs_fill_gpu || tuning_switch_is_on("ASTR_DECODE_BLOCK_PAIRS")) &&
-        !tuning_switch_is_off("ASTR_DECODE_BLOCK_PAIRS") &&
-        !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
-    // Eight-warp blocks: one split on the block pairs' grid, where that pays (shapes only). A
-    // forced split count is kept, except for one split with the switch on.
-    const bool forced_splits = forced_split_count > 0;
-    const bool eight_warps_on = tuning_switch_is_on("ASTR_DECODE_EIGHT_WARPS");
-    const bool eight_warps_replace_pairs =
-        params.merge_in_block_pairs && !forced_splits &&
-        (eight_warps_on || kernels::decode_eight_warp_blocks_pay(max_kv_len));
-    const bool eight_warps_forced = forced_splits && params.num_splits == 1 && eight_warps_on;
-    if ((eight_warps_replace_pairs || eight_warps_forced) &&
-        kernels::paged_decode_can_run_eight_warp_blocks(1, base.head_dim) &&
-        !tuning_switch_is_off("ASTR_DECODE_EIGHT_WARPS")) {
-      params.num_splits = 1;
-      params.merge_in_block_pairs = false;
-      params.eight_warp_blocks = true;
-    }
-    params.merge_in_cluster = !params.merge_in_block_pairs &&
-                              kernels::paged_decode_can_merge_in_cluster(params.num_splits) &&
-                              !tuning_switch_is_off("ASTR_DECODE_CLUSTER_MERGE");
-    // The persistent decode: one split, where its rounds of one item per SM pay
-    // (decode_persistent_blocks_pay, shapes only), on a grid of one block per SM.
-    const int64_t items =
-        kernels::paged_decode_items(base.num_seqs, base.num_q_heads, base.num_kv_heads);
-    const bool persistent_on = tuning_switch_is_on("ASTR_DECODE_PERSISTENT");
-    const int forced_grid = decode_persistent_grid_override();
-    const int persistent_grid =
-        static_cast<int>(std::min<int64_t>(items, forced_grid > 0 ? forced_grid : num_sms));
-    if (params.num_splits == 1 && !params.merge_in_cluster &&
-        (persistent_on ||
-         (!params.eight_warp_blocks && kernels::decode_persistent_blocks_pay(items, num_sms))) &&
-        !tuning_switch_is_off("ASTR_DECODE_PERSISTENT") &&
-        kernels::paged_decode_can_run_persistent(1, base.head_dim, items, persistent_grid)) {
-      params.eight_warp_blocks = false;
-      params.persistent_blocks = persistent_grid;
-    }
-    // Size from shapes only (split count, T, Hq, D), never from seq_lens' values.
-    const size_t workspace_floats = kernels::paged_decode_workspace_floats(
-        params.num_splits, params.merge_in_cluster || params.merge_in_block_pairs, base.num_tokens,
-        base.num_q_heads, base.head_dim);
+    kernels::DecodeShape shape;
+    shape.num_seqs = base.num_seqs;
+    shape.num_q_heads = base.num_q_heads;
+    shape.num_kv_heads = base.num_kv_heads;
+    shape.head_dim = base.head_dim;
+    shape.block_table_positions = block_table.size(1) * page_size;
+    shape.window_left = base.window_left;
+    const kernels::DecodePlan plan = kernels::plan_paged_decode(shape, device_facts, tuning);
+    ASTR_CHECK(plan.error.empty(), "cuda_paged_attention: ", plan.error);
+    // Sized from shapes only (split count, T, Hq, D), never from seq_lens' values.
     at::Tensor workspace;
-    if (workspace_floats > 0) {
+    if (plan.workspace_floats > 0) {
       workspace =
-          at::empty({static_cast<int64_t>(workspace_floats)}, q.options().dtype(at::kFloat));
+          at::empty({static_cast<int64_t>(plan.workspace_floats)}, q.options().dtype(at::kFloat));
       params.workspace = workspace.data_ptr<float>();
     }
     // The persistent decode's claim counter, which the launch zeroes in the stream (also inside
     // a captured graph).
     at::Tensor claim_counter;
-    if (params.persistent_blocks > 0) {
+    if (plan.form == kernels::DecodeForm::kPersistent) {
       claim_counter = at::empty({1}, q.options().dtype(at::kInt));
       params.persistent_claim_counter = claim_counter.data_ptr<int32_t>();
-      params.persistent_early_start = !tuning_switch_is_off("ASTR_DECODE_EARLY_START");
     }
-    status = kernels::launch_paged_decode(params, stream);
+    status = kernels::launch_paged_decode(params, plan, stream);
   } else {
     kernels::PagedPrefillParams params{};
     static_cast<kernels::PagedAttentionParams&>(params) = base;
     params.query_start_loc = query_start_loc.data_ptr<int32_t>();
     params.max_query_len = static_cast<int>(std::min<int64_t>(max_query_len, INT32_MAX));
-    params.kernel = prefill_kernel_override();
-    status = kernels::launch_paged_prefill(params, stream);
+    const kernels::PrefillPlan plan =
+        kernels::plan_paged_prefill(base.head_dim, device_facts, tuning);
+    status = kernels::launch_paged_prefill(params, plan, stream);
   }
   ASTR_CHECK(status.ok(), "cuda_paged_attention: ", status.error);
-  return out;
+  return {out, lse};
 }
 
 }  // namespace

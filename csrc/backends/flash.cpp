@@ -21,22 +21,27 @@ const c10::OperatorHandle& flash_op(const char* name) {
 
 }  // namespace
 
-at::Tensor flash_dense(const AttentionArgs& a) {
+AttentionResult flash_dense(const AttentionArgs& a) {
   static const auto op = flash_op("astr::flash_dense")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                                               const at::Tensor&, bool, double)>();
-  return op.call(a.q, *a.k, *a.v, a.is_causal, a.resolved_scale());
+                             .typed<std::tuple<at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, bool,
+                                 double, int64_t, double, bool)>();
+  auto [out, lse] = op.call(a.q, *a.k, *a.v, a.is_causal, a.resolved_scale(), a.window_left,
+                            a.softcap_value(), a.return_lse);
+  return {out, a.return_lse ? lse : at::Tensor()};
 }
 
-at::Tensor flash_paged(const AttentionArgs& a) {
-  static const auto op =
-      flash_op("astr::flash_paged")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
-                            bool, double)>();
+AttentionResult flash_paged(const AttentionArgs& a) {
+  static const auto op = flash_op("astr::flash_paged")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                 bool, bool, double, int64_t, double, bool)>();
   const at::Tensor starts = a.query_start_loc ? *a.query_start_loc : *a.seq_lens;
-  return op.call(a.q, *a.k_cache, *a.v_cache, *a.block_table, *a.seq_lens, starts,
-                 a.decode() ? 1 : a.max_query_len, a.decode(), a.is_causal, a.resolved_scale());
+  auto [out, lse] = op.call(a.q, *a.k_cache, *a.v_cache, *a.block_table, *a.seq_lens, starts,
+                            a.decode() ? 1 : a.max_query_len, a.decode(), a.is_causal,
+                            a.resolved_scale(), a.window_left, a.softcap_value(), a.return_lse);
+  return {out, a.return_lse ? lse : at::Tensor()};
 }
 
 }  // namespace astr

@@ -1,6 +1,9 @@
-// The torch_native backend: at::scaled_dot_product_attention over BLHD inputs, and over K/V
-// gathered through the page table for paged calls. Everything is expressed with tensor ops on the
-// call's device: no host synchronisation, so a decode step stays capturable.
+// The torch_native backend, astrai's reference: composite ATen on the call's device. Plain calls
+// run at::scaled_dot_product_attention; calls with a variant (window, softcap, sinks) or asking
+// for the log-sum-exp write the scores out (attend_with_variants), from the definitions in
+// csrc/kernels/paged_attention/params.h. Everything is expressed with tensor ops: no host
+// synchronisation, so a decode step stays capturable; and everything stays differentiable
+// (CompositeImplicitAutograd), gradients through sinks included.
 #include <ATen/ATen.h>
 
 #include <limits>
@@ -11,34 +14,111 @@ namespace astr {
 
 namespace {
 
-// A causal mask aligned top-left (query i sees keys j <= i), as SDPA's is_causal.
-at::Tensor top_left_causal(int64_t q_len, int64_t kv_len, const at::Device& device) {
-  return at::ones({q_len, kv_len}, at::TensorOptions().dtype(at::kBool).device(device)).tril();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+bool has_variant(const AttentionArgs& a) {
+  return a.window_left >= 0 || a.softcap.has_value() || a.sinks.has_value() || a.return_lse;
+}
+
+// Which keys each query sees, [Lq, Lk] bool: causal (query i at absolute position
+// positions[i] sees keys j <= positions[i]) and the window (keys j >= positions[i] - window).
+at::Tensor position_visibility(const at::Tensor& q_positions, int64_t kv_len, bool is_causal,
+                               int64_t window_left) {
+  const at::Tensor kv = at::arange(kv_len, q_positions.options()).unsqueeze(0);
+  const at::Tensor qp = q_positions.unsqueeze(-1);
+  at::Tensor visible =
+      at::ones({q_positions.size(-1), kv_len}, q_positions.options().dtype(at::kBool));
+  if (is_causal) visible = visible.logical_and(kv <= qp);
+  if (window_left >= 0) visible = visible.logical_and(kv >= qp - window_left);
+  return visible;
+}
+
+// softmax(scale * q k^T (softcapped) + bias, masked to `visible`, with sink logits) v, and the
+// log-sum-exp of each row, in float32 (float64 for float64 inputs).
+//   q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv]; visible broadcastable to
+//   [B, Hq, Lq, Lk] (bool) or undefined; bias likewise (additive) or undefined; sinks [Hq].
+// Returns out [B, Hq, Lq, Dv] in q's dtype and lse [B, Hq, Lq] float32. A row that sees no key
+// (and has no sink) gives out 0 and lse -inf; the formulation keeps gradients finite there.
+std::tuple<at::Tensor, at::Tensor> attend_with_variants(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v,
+                                                        const at::Tensor& visible,
+                                                        const at::Tensor& bias, double scale,
+                                                        std::optional<double> softcap,
+                                                        const std::optional<at::Tensor>& sinks) {
+  const at::ScalarType compute = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t batch = q.size(0), q_heads = q.size(1), q_len = q.size(2);
+  const int64_t kv_heads = k.size(1), kv_len = k.size(2), group = q_heads / kv_heads;
+  // GQA without repeating kv heads: q head h = kv head h / G, member h % G.
+  const at::Tensor qg = q.to(compute).reshape({batch, kv_heads, group * q_len, q.size(3)});
+  at::Tensor scores = at::matmul(qg, k.to(compute).transpose(-1, -2)) * scale;
+  scores = scores.view({batch, q_heads, q_len, kv_len});
+  if (softcap) scores = at::tanh(scores / *softcap) * *softcap;
+  if (bias.defined()) scores = scores + bias.to(compute);
+  if (visible.defined()) scores = scores.masked_fill(visible.logical_not(), -kInf);
+
+  // Stable softmax with the sink as one more logit: m = max over keys and sink (a constant for
+  // autograd), sum = sum exp(s - m) + exp(sink - m).
+  at::Tensor top = std::get<0>(scores.max(-1, /*keepdim=*/true));
+  at::Tensor sink_logits;
+  if (sinks) {
+    sink_logits = sinks->to(compute).view({1, q_heads, 1, 1});
+    top = at::maximum(top, sink_logits.expand_as(top));
+  }
+  top = at::where(at::isinf(top), at::zeros_like(top), top).detach();
+  const at::Tensor weights = at::exp(scores - top);
+  at::Tensor sum = weights.sum(-1, /*keepdim=*/true);
+  if (sinks) sum = sum + at::exp(sink_logits - top);
+  const at::Tensor seen = sum > 0;
+  const at::Tensor safe_sum = at::where(seen, sum, at::ones_like(sum));
+  const at::Tensor probs = (weights / safe_sum).view({batch, kv_heads, group * q_len, kv_len});
+  at::Tensor out = at::matmul(probs, v.to(compute)).view({batch, q_heads, q_len, v.size(3)});
+  at::Tensor lse = at::where(seen, at::log(safe_sum) + top, at::full_like(sum, -kInf));
+  return {out.to(q.scalar_type()), lse.squeeze(-1).to(at::kFloat)};
 }
 
 }  // namespace
 
-at::Tensor torch_native_dense(const AttentionArgs& a) {
+AttentionResult torch_native_dense(const AttentionArgs& a) {
   const at::Tensor& q = a.q;
   const at::Tensor& k = *a.k;
   const at::Tensor& v = *a.v;
-  std::optional<at::Tensor> mask = a.attn_mask;
-  bool is_causal = a.is_causal;
-  if (mask && is_causal) {
-    // SDPA takes one or the other: fold the causal edge into the mask.
-    at::Tensor causal = top_left_causal(q.size(1), k.size(1), q.device());
-    mask = mask->scalar_type() == at::kBool
-               ? at::logical_and(*mask, causal)
-               : mask->masked_fill(causal.logical_not(), -std::numeric_limits<double>::infinity());
-    is_causal = false;
+  if (!has_variant(a)) {
+    std::optional<at::Tensor> mask = a.attn_mask;
+    bool is_causal = a.is_causal;
+    if (mask && is_causal) {
+      // SDPA takes one or the other: fold the causal edge (top-left aligned) into the mask.
+      const at::Tensor causal = position_visibility(
+          at::arange(q.size(1), q.options().dtype(at::kLong)), k.size(1), true, -1);
+      mask = mask->scalar_type() == at::kBool ? at::logical_and(*mask, causal)
+                                              : mask->masked_fill(causal.logical_not(), -kInf);
+      is_causal = false;
+    }
+    at::Tensor out = at::scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, /*dropout_p=*/0.0, is_causal,
+        a.resolved_scale(), /*enable_gqa=*/q.size(2) != k.size(2));
+    return {out.transpose(1, 2).contiguous(), at::Tensor()};
   }
-  at::Tensor out = at::scaled_dot_product_attention(
-      q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, /*dropout_p=*/0.0, is_causal,
-      a.resolved_scale(), /*enable_gqa=*/q.size(2) != k.size(2));
-  return out.transpose(1, 2).contiguous();
+  // Positions are top-left aligned, as SDPA's is_causal: query i at position i.
+  at::Tensor visible;
+  if (a.is_causal || a.window_left >= 0) {
+    visible = position_visibility(at::arange(q.size(1), q.options().dtype(at::kLong)), k.size(1),
+                                  a.is_causal, a.window_left);
+  }
+  at::Tensor bias;
+  if (a.attn_mask) {
+    if (a.attn_mask->scalar_type() == at::kBool) {
+      visible = visible.defined() ? visible.logical_and(*a.attn_mask) : *a.attn_mask;
+    } else {
+      bias = *a.attn_mask;
+    }
+  }
+  auto [out, lse] = attend_with_variants(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         visible, bias, a.resolved_scale(), a.softcap, a.sinks);
+  return {out.transpose(1, 2).contiguous(),
+          a.return_lse ? lse.transpose(1, 2).contiguous() : at::Tensor()};
 }
 
-at::Tensor torch_native_paged(const AttentionArgs& a) {
+AttentionResult torch_native_paged(const AttentionArgs& a) {
   const at::Tensor& q = a.q;  // [T,Hq,D]
   const at::Tensor& k_cache = *a.k_cache;
   const at::Tensor& v_cache = *a.v_cache;
@@ -49,13 +129,13 @@ at::Tensor torch_native_paged(const AttentionArgs& a) {
   const int64_t capacity = width * page_size;  // the most kv positions any sequence can have
   const int64_t max_q = a.decode() ? 1 : a.max_query_len;
   const auto long_opts = q.options().dtype(at::kLong);
-  const double inf = std::numeric_limits<double>::infinity();
 
   // Which sequence each query token belongs to, and its index among that sequence's new tokens.
   const at::Tensor seq_len = a.seq_lens->to(at::kLong);  // [B]
   at::Tensor q_len, seq_of_token, pos_of_token;
   if (a.decode()) {
-    q_len = at::ones({batch}, long_opts);
+    // A decode slot of length 0 is padding: no new token in the cache, zeros out.
+    q_len = seq_len.clamp(0, 1);
     seq_of_token = at::arange(tokens, long_opts);
     pos_of_token = at::zeros({tokens}, long_opts);
   } else {
@@ -69,25 +149,36 @@ at::Tensor torch_native_paged(const AttentionArgs& a) {
     pos_of_token = (token - starts.index_select(0, seq_of_token)).clamp(0, max_q - 1);
   }
 
-  // K/V of every sequence, padded to the table's capacity: [B, capacity, Hkv, D].
+  // K/V of every sequence, padded to the table's capacity: [B, capacity, Hkv, D]. Only the slots
+  // a sequence owns (positions below its length) may contribute: the others (columns past its
+  // pages, which may point anywhere, and the stale tail of its last page) are zeroed, since a
+  // masked score still multiplies its value (0 * NaN is NaN).
   const at::Tensor table = a.block_table->to(at::kLong);
   const at::Tensor pages = table.clamp(0, num_pages - 1).reshape({-1});
-  const at::Tensor keys = k_cache.index_select(0, pages).view({batch, capacity, kv_heads, -1});
-  const at::Tensor values = v_cache.index_select(0, pages).view({batch, capacity, kv_heads, -1});
+  const at::Tensor kv_pos = at::arange(capacity, long_opts);
+  const at::Tensor owned =
+      (kv_pos.view({1, capacity}) < seq_len.view({batch, 1})).view({batch, capacity, 1, 1});
+  const at::Tensor zero = at::zeros({}, k_cache.options());
+  const at::Tensor keys =
+      at::where(owned, k_cache.index_select(0, pages).view({batch, capacity, kv_heads, -1}), zero);
+  const at::Tensor values =
+      at::where(owned, v_cache.index_select(0, pages).view({batch, capacity, kv_heads, -1}), zero);
 
   // Queries padded per sequence: [B, max_q, Hq, D].
   at::Tensor queries = at::zeros({batch, max_q, q_heads, q.size(2)}, q.options());
   queries.index_put_({seq_of_token, pos_of_token}, q);
 
-  // Visibility [B, max_q, capacity]: inside the sequence, and causal from the prefix's end.
-  const at::Tensor kv_pos = at::arange(capacity, long_opts).view({1, 1, capacity});
-  const at::Tensor prefix = (seq_len - q_len).view({batch, 1, 1});
-  const at::Tensor q_pos = at::arange(max_q, long_opts).view({1, max_q, 1}) + prefix;
-  at::Tensor visible = kv_pos < seq_len.view({batch, 1, 1});
-  if (a.is_causal) visible = visible.logical_and(kv_pos <= q_pos);
+  // Visibility [B, max_q, capacity]: inside the sequence, causal from the prefix's end, and the
+  // window. New token i sits at position seq_len - q_len + i.
+  const at::Tensor kv = kv_pos.view({1, 1, capacity});
+  const at::Tensor q_pos =
+      at::arange(max_q, long_opts).view({1, max_q, 1}) + (seq_len - q_len).view({batch, 1, 1});
+  at::Tensor visible = kv < seq_len.view({batch, 1, 1});
+  if (a.is_causal) visible = visible.logical_and(kv <= q_pos);
+  if (a.window_left >= 0) visible = visible.logical_and(kv >= q_pos - a.window_left);
   visible = visible.expand({batch, max_q, capacity});
 
-  std::optional<at::Tensor> bias;
+  at::Tensor bias;
   if (a.attn_mask) {
     // The user's [T, K] mask, cut or padded to [T, capacity]; positions >= K are masked.
     at::Tensor mask = *a.attn_mask;
@@ -97,30 +188,36 @@ at::Tensor torch_native_paged(const AttentionArgs& a) {
       mask = mask.slice(1, 0, capacity);
     } else {
       at::Tensor pad = boolean ? at::zeros({tokens, capacity - columns}, mask.options())
-                               : at::full({tokens, capacity - columns}, -inf, mask.options());
+                               : at::full({tokens, capacity - columns}, -kInf, mask.options());
       mask = at::cat({mask, pad}, 1);
     }
     at::Tensor padded = boolean ? at::zeros({batch, max_q, capacity}, mask.options())
-                                : at::full({batch, max_q, capacity}, -inf, mask.options());
+                                : at::full({batch, max_q, capacity}, -kInf, mask.options());
     padded.index_put_({seq_of_token, pos_of_token}, mask);
     if (boolean) {
       visible = visible.logical_and(padded);
     } else {
-      visible = visible.logical_and(padded != -inf);
-      bias = padded.masked_fill(visible.logical_not(), -inf).unsqueeze(1);
+      visible = visible.logical_and(padded != -kInf);
+      bias = padded.masked_fill(visible.logical_not(), -kInf).unsqueeze(1);
     }
   }
-  const at::Tensor sdpa_mask = bias ? *bias : visible.unsqueeze(1);  // [B, 1, max_q, capacity]
 
-  at::Tensor out = at::scaled_dot_product_attention(
-      queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), sdpa_mask,
-      /*dropout_p=*/0.0, /*is_causal=*/false, a.resolved_scale(),
-      /*enable_gqa=*/q_heads != kv_heads);
+  at::Tensor out, lse;
+  if (!has_variant(a)) {
+    const at::Tensor sdpa_mask = bias.defined() ? bias : visible.unsqueeze(1);
+    out = at::scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2),
+                                           values.transpose(1, 2), sdpa_mask, /*dropout_p=*/0.0,
+                                           /*is_causal=*/false, a.resolved_scale(),
+                                           /*enable_gqa=*/q_heads != kv_heads);
+    // A row that sees no key returns zeros (SDPA would give NaN).
+    const at::Tensor row_sees_keys = visible.any(-1).view({batch, 1, max_q, 1});
+    out = at::where(row_sees_keys, out, at::zeros({}, out.options()));
+  } else {
+    std::tie(out, lse) =
+        attend_with_variants(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                             visible.unsqueeze(1), bias, a.resolved_scale(), a.softcap, a.sinks);
+  }
   out = out.transpose(1, 2);  // [B, max_q, Hq, Dv]
-
-  // A row that sees no key returns zeros (SDPA would give NaN).
-  const at::Tensor row_sees_keys = visible.any(-1).view({batch, max_q, 1, 1});
-  out = at::where(row_sees_keys, out, at::zeros({}, out.options()));
 
   // Poison sequences whose metadata is out of range (checked with tensor ops: no host sync).
   const at::Tensor pages_used = (seq_len + page_size - 1).div(page_size, "floor");
@@ -128,11 +225,14 @@ at::Tensor torch_native_paged(const AttentionArgs& a) {
   const at::Tensor bad_page = used.logical_and(table.lt(0).logical_or(table.ge(num_pages)));
   at::Tensor valid = bad_page.any(1).logical_not();
   valid = valid.logical_and(seq_len.le(capacity)).logical_and(seq_len.ge(q_len));
+  valid = valid.logical_and(seq_len.ge(0));
   valid = valid.logical_and(q_len.ge(0)).logical_and(q_len.le(max_q));
   const double nan = std::numeric_limits<double>::quiet_NaN();
   out = at::where(valid.view({batch, 1, 1, 1}), out, at::full({}, nan, out.options()));
-
-  return out.index({seq_of_token, pos_of_token});  // [T, Hq, Dv]
+  out = out.index({seq_of_token, pos_of_token});  // [T, Hq, Dv]
+  if (!a.return_lse) return {out, at::Tensor()};
+  lse = at::where(valid.view({batch, 1, 1}), lse, at::full({}, nan, lse.options()));
+  return {out, lse.transpose(1, 2).index({seq_of_token, pos_of_token})};  // [T, Hq]
 }
 
 }  // namespace astr

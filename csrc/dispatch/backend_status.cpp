@@ -8,10 +8,10 @@ BackendStatusTable& BackendStatusTable::instance() {
 }
 
 BackendStatusTable::BackendStatusTable() {
-  status_[static_cast<int>(Backend::kCuda)] = {false, "library built without CUDA kernels", 0};
-  status_[static_cast<int>(Backend::kFlash)] = {
-      false, "flash-attn not probed yet (astrai.extension probes it on first use)", 0};
-  status_[static_cast<int>(Backend::kTorchNative)] = {true, "", 0};
+#define ASTR_BACKEND_STATUS(enumerator, name, available, reason) \
+  status_[static_cast<int>(Backend::enumerator)] = {available, reason, 0};
+  ASTR_BACKENDS(ASTR_BACKEND_STATUS)
+#undef ASTR_BACKEND_STATUS
 }
 
 BackendStatus BackendStatusTable::get(Backend backend) const {
@@ -21,7 +21,9 @@ BackendStatus BackendStatusTable::get(Backend backend) const {
 
 std::array<BackendStatus, kNumBackends> BackendStatusTable::snapshot() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return {status_[0], status_[1], status_[2]};
+  std::array<BackendStatus, kNumBackends> copy;
+  for (int i = 0; i < kNumBackends; ++i) copy[i] = status_[i];
+  return copy;
 }
 
 void BackendStatusTable::set(Backend backend, BackendStatus status) {

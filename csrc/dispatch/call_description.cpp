@@ -4,12 +4,11 @@ namespace astr::dispatch {
 
 const char* backend_name(Backend backend) {
   switch (backend) {
-    case Backend::kCuda:
-      return "cuda";
-    case Backend::kFlash:
-      return "flash";
-    case Backend::kTorchNative:
-      return "torch_native";
+#define ASTR_BACKEND_NAME(enumerator, name, available, reason) \
+  case Backend::enumerator:                                    \
+    return #name;
+    ASTR_BACKENDS(ASTR_BACKEND_NAME)
+#undef ASTR_BACKEND_NAME
   }
   return "unknown";
 }
@@ -40,6 +39,10 @@ const char* scalar_kind_name(ScalarKind kind) {
       return "float32";
     case ScalarKind::kFloat64:
       return "float64";
+    case ScalarKind::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case ScalarKind::kFloat8E5M2:
+      return "float8_e5m2";
     case ScalarKind::kOther:
       return "other";
   }

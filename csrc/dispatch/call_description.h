@@ -9,11 +9,27 @@
 
 namespace astr::dispatch {
 
-// Priority order is the enum order: cuda > flash > torch_native.
-enum class Backend : int { kCuda = 0, kFlash = 1, kTorchNative = 2 };
-constexpr int kNumBackends = 3;
-constexpr Backend kAllBackends[kNumBackends] = {Backend::kCuda, Backend::kFlash,
-                                                Backend::kTorchNative};
+// The one list of built-in backends, in default priority order (cuda > flash > torch_native):
+//   X(enumerator, name, available at load, reason while unavailable)
+// Everything else derives from it: the enum, names, the status table's first state and the
+// capability rules' table (capability.cpp: one rules function per backend, named <name>_rules).
+// Adding a backend: csrc/README.md.
+#define ASTR_BACKENDS(X)                                                                         \
+  X(kCuda, cuda, false, "library built without CUDA kernels")                                    \
+  X(kFlash, flash, false, "flash-attn not probed yet (astrai.extension probes it on first use)") \
+  X(kTorchNative, torch_native, true, "")
+
+enum class Backend : int {
+#define ASTR_BACKEND_ENUMERATOR(enumerator, name, available, reason) enumerator,
+  ASTR_BACKENDS(ASTR_BACKEND_ENUMERATOR)
+#undef ASTR_BACKEND_ENUMERATOR
+};
+constexpr Backend kAllBackends[] = {
+#define ASTR_BACKEND_VALUE(enumerator, name, available, reason) Backend::enumerator,
+    ASTR_BACKENDS(ASTR_BACKEND_VALUE)
+#undef ASTR_BACKEND_VALUE
+};
+constexpr int kNumBackends = sizeof(kAllBackends) / sizeof(kAllBackends[0]);
 
 const char* backend_name(Backend backend);
 // "cuda", "flash", "torch_native" -> the backend; anything else -> nullopt.
@@ -21,7 +37,7 @@ std::optional<Backend> parse_backend(std::string_view name);
 // "cuda, flash, torch_native": for error messages.
 std::string valid_backend_names();
 
-enum class ScalarKind { kFloat16, kBFloat16, kFloat32, kFloat64, kOther };
+enum class ScalarKind { kFloat16, kBFloat16, kFloat32, kFloat64, kFloat8E4M3, kFloat8E5M2, kOther };
 enum class DeviceKind { kCPU, kCUDA, kOther };
 enum class MaskForm { kNone, kBoolean, kAdditive };
 // kTraining: fwd=None, no cache, may need gradients. kPrefill / kDecode: inference calls; with a
@@ -52,6 +68,13 @@ struct CallDescription {
   // Paged calls: why q or the cache pools cannot feed the cuda kernels' 16-byte copies and
   // 32-bit in-page offsets (see cuda_layout_problem in csrc/describe_call.cpp); "" when they can.
   std::string cuda_layout;
+  // Variants and the cache's element type (csrc/kernels/paged_attention/params.h defines them).
+  bool window = false;   // window_left >= 0
+  bool softcap = false;  // softcap > 0
+  bool sinks = false;
+  bool lse = false;                          // return_lse
+  ScalarKind kv_dtype = ScalarKind::kOther;  // of the cache (paged) or k (dense)
+  bool kv_scales = false;                    // k_scale / v_scale given
 };
 
 }  // namespace astr::dispatch

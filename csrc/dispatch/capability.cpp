@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "../kernels/paged_attention/config.h"
+
 namespace astr::dispatch {
 
 namespace {
@@ -18,6 +20,16 @@ void check_heads_divide(const CallDescription& call, std::vector<std::string>& r
   if (call.num_kv_heads <= 0 || call.num_q_heads % call.num_kv_heads != 0) {
     reasons.push_back("q heads (" + std::to_string(call.num_q_heads) +
                       ") must be a multiple of kv heads (" + std::to_string(call.num_kv_heads) +
+                      ")");
+  }
+}
+
+// The cache's element type: q's own (every backend), or FP8 with per-head scales (where a
+// backend's rules accept it).
+void check_kv_dtype_is_q_dtype(const CallDescription& call, std::vector<std::string>& reasons) {
+  if (call.kv_dtype != call.dtype && call.kv_dtype != ScalarKind::kOther) {
+    reasons.push_back(std::string("KV cache dtype ") + scalar_kind_name(call.kv_dtype) +
+                      " not supported (supported: q's dtype, " + scalar_kind_name(call.dtype) +
                       ")");
   }
 }
@@ -40,11 +52,9 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
     reasons.push_back(std::string("dtype ") + scalar_kind_name(call.dtype) +
                       " not supported (supported: float16, bfloat16)");
   }
-  bool head_dim_supported = false;
-  for (int dim : kCudaHeadDims) head_dim_supported |= (call.head_dim == dim);
-  if (!head_dim_supported) {
-    reasons.push_back("head_dim " + std::to_string(call.head_dim) +
-                      " not supported (supported: 64, 128, 256)");
+  // The head dims the kernels were built for: config.h's list.
+  if (astrai::kernels::paged_head_dim_forms(call.head_dim) == nullptr) {
+    reasons.push_back(astrai::kernels::unsupported_head_dim_message(call.head_dim));
   }
   if (call.head_dim_v != call.head_dim) {
     reasons.push_back("v head_dim must equal q/k head_dim");
@@ -61,6 +71,8 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
   }
   if (call.needs_grad) reasons.push_back("has no backward (inputs require grad)");
   if (!call.cuda_layout.empty()) reasons.push_back(call.cuda_layout);
+  check_kv_dtype_is_q_dtype(call, reasons);
+  if (call.kv_scales) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
   check_heads_divide(call, reasons);
 }
 
@@ -100,6 +112,9 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
         "causal with q_len != kv_len: flash aligns the mask bottom-right, astr dense calls "
         "align it top-left like SDPA");
   }
+  // flash-attn takes a window and a softcap (window_size, softcap) and returns the log-sum-exp;
+  // it has no sink logits.
+  if (call.sinks) reasons.push_back("sinks not supported (flash-attn has no sink logits)");
   if (call.has_kv_cache) {
     // FlashAttention-2's paged path reads the pool in 256-token blocks; 3 and 4 take any size.
     const bool fa2_rules = status.version <= 2;
@@ -110,32 +125,41 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
     }
     if (call.needs_grad) reasons.push_back("paged KV-cache path has no backward");
   }
+  if (call.needs_grad && (call.window || call.softcap)) {
+    reasons.push_back("gradients with window_left or softcap not supported by the flash backend");
+  }
+  check_kv_dtype_is_q_dtype(call, reasons);
+  if (call.kv_scales) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
   check_heads_divide(call, reasons);
 }
 
-void torch_native_rules(const CallDescription& call, std::vector<std::string>& reasons) {
-  if (call.dtype == ScalarKind::kOther) {
+void torch_native_rules(const CallDescription& call, const BackendStatus&, Checks,
+                        std::vector<std::string>& reasons) {
+  if (call.dtype == ScalarKind::kOther || call.dtype == ScalarKind::kFloat8E4M3 ||
+      call.dtype == ScalarKind::kFloat8E5M2) {
     reasons.push_back("dtype not supported (supported: float16, bfloat16, float32, float64)");
   }
+  check_kv_dtype_is_q_dtype(call, reasons);
+  if (call.kv_scales) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
   check_heads_divide(call, reasons);
 }
+
+using Rules = void (*)(const CallDescription&, const BackendStatus&, Checks,
+                       std::vector<std::string>&);
+
+// One rules function per backend, in the list's order (call_description.h: ASTR_BACKENDS).
+constexpr Rules kRules[] = {
+#define ASTR_BACKEND_RULES(enumerator, name, available, reason) &name##_rules,
+    ASTR_BACKENDS(ASTR_BACKEND_RULES)
+#undef ASTR_BACKEND_RULES
+};
 
 }  // namespace
 
 std::vector<std::string> rejection_reasons(Backend backend, const CallDescription& call,
                                            const BackendStatus& status, Checks checks) {
   std::vector<std::string> reasons;
-  switch (backend) {
-    case Backend::kCuda:
-      cuda_rules(call, status, checks, reasons);
-      break;
-    case Backend::kFlash:
-      flash_rules(call, status, checks, reasons);
-      break;
-    case Backend::kTorchNative:
-      torch_native_rules(call, reasons);
-      break;
-  }
+  kRules[static_cast<int>(backend)](call, status, checks, reasons);
   return reasons;
 }
 

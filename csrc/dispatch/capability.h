@@ -10,8 +10,7 @@
 
 namespace astr::dispatch {
 
-// Supported head dims of our CUDA kernels (csrc/kernels); kept beside the other cuda rules.
-constexpr int kCudaHeadDims[] = {64, 128, 256};
+// The cuda kernels' head dims and forms: csrc/kernels/paged_attention/config.h (the one list).
 constexpr int kCudaMinArch = 80;
 constexpr int kMaxPageSize = 256;
 

@@ -83,7 +83,9 @@ bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation,
               uint64_t(c.dtype) << 28 | uint64_t(c.device) << 32 | uint64_t(c.mask) << 36 |
               uint64_t(c.mode) << 40 | uint64_t(c.has_kv_cache) << 44 |
               uint64_t(c.needs_grad) << 45 | uint64_t(c.is_causal) << 46 |
-              uint64_t(c.q_len_equals_kv_len) << 47 | uint64_t(s.source) << 48;
+              uint64_t(c.q_len_equals_kv_len) << 47 | uint64_t(s.source) << 48 |
+              uint64_t(c.window) << 52 | uint64_t(c.softcap) << 53 | uint64_t(c.sinks) << 54 |
+              uint64_t(c.lse) << 55 | uint64_t(c.kv_dtype) << 56 | uint64_t(c.kv_scales) << 60;
   key.generation = generation;
   key.name = s.name;
   return true;
@@ -170,14 +172,15 @@ Decision resolve_backend(const CallDescription& call, const Selection& selection
                        ") is written in Python: call astrai.extension.attention to run it";
       return decision;
     }
-    const std::optional<Backend> requested = parse_backend(selection.name);
-    if (!requested) {  // callers validate names; an unknown one must still not be dereferenced
+    const std::optional<Backend> parsed = parse_backend(selection.name);
+    if (!parsed) {  // a name no stack push or argument lets through; never dereferenced
       decision.error = "Explicitly-set backend '" + selection.name + "' (" +
                        source_phrase(selection.source) +
                        ") is not a backend (valid: " + valid_backend_names() + ")";
       return decision;
     }
-    if (capable(*requested)) {
+    const Backend requested = *parsed;
+    if (capable(requested)) {
       decision.chosen = requested;
     } else {
       decision.error = "Explicitly-set backend '" + selection.name + "' (" +
@@ -211,7 +214,7 @@ std::string describe_reasons(const Decision& decision) {
   std::string text = "Backends: ";
   for (Backend backend : kAllBackends) {
     const auto& reasons = decision.reasons[static_cast<int>(backend)];
-    if (backend != Backend::kCuda) text += " | ";
+    if (backend != kAllBackends[0]) text += " | ";
     text += backend_name(backend);
     text += ": ";
     if (reasons.empty()) {
@@ -249,7 +252,7 @@ std::string Decision::to_json() const {
   quoted(json, error);
   json += ", \"reasons\": {";
   for (Backend backend : kAllBackends) {
-    if (backend != Backend::kCuda) json += ", ";
+    if (backend != kAllBackends[0]) json += ", ";
     quoted(json, backend_name(backend));
     json += ": [";
     const auto& list = reasons[static_cast<int>(backend)];

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "../../csrc/kernels/paged_attention/config.h"
 #include "capability.h"
 
 namespace astr::dispatch {
@@ -170,9 +171,11 @@ TEST(CudaCapability, RejectsWhatTheKernelsCannotRun) {
   BackendStatus ok{true, "", 0};
   CallDescription call = paged_decode();
   EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
-  call.head_dim = call.head_dim_v = 96;
+  call.head_dim = call.head_dim_v = 80;
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
-                       "head_dim 96 not supported (supported: 64, 128, 256)"));
+                       astrai::kernels::unsupported_head_dim_message(80)));
+  call.head_dim = call.head_dim_v = 96;  // config.h lists it
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
   call = paged_decode();
   call.page_size = 24;
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "page_size 24"));

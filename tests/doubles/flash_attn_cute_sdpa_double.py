@@ -10,13 +10,23 @@ real package cannot be installed; the device tests run the real one.
 
 import torch
 
-from .flash_attn_sdpa_double import _sdpa
+from .flash_attn_sdpa_double import _attend, _window
 
 __version__ = "4.0.0b0+sdpa-test-double"
 calls = {"dense": 0, "varlen": 0}  # how often each entry point ran (tests read it)
 
 
-def flash_attn_func(q, k, v, qv=None, softmax_scale=None, causal=False, **unsupported):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    qv=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(None, None),
+    softcap=0.0,
+    **unsupported,
+):
     assert qv is None and not any(unsupported.values()), unsupported
     calls["dense"] += 1
     lq, lk = q.shape[1], k.shape[1]
@@ -25,7 +35,8 @@ def flash_attn_func(q, k, v, qv=None, softmax_scale=None, causal=False, **unsupp
     visible = (
         (j <= i + (lk - lq)) if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     )
-    return _sdpa(q, k, v, visible[None], softmax_scale), None
+    visible = _window(visible, i, j, lk - lq, window_size)
+    return _attend(q, k, v, visible[None], softmax_scale, softcap or 0.0)
 
 
 def flash_attn_varlen_func(
@@ -44,6 +55,8 @@ def flash_attn_varlen_func(
     page_table=None,
     softmax_scale=None,
     causal=False,
+    window_size=(None, None),
+    softcap=0.0,
     **unsupported,
 ):
     assert qv is None and cu_seqlens_k is None and seqused_q is None
@@ -62,7 +75,7 @@ def flash_attn_varlen_func(
         starts = cu_seqlens_q.long().tolist()
         q_lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=q.device)
         per_seq = [q[a:b] for a, b in zip(starts, starts[1:])]
-    outs = []
+    outs, lses = [], []
     for b, q_b in enumerate(per_seq):
         lq = q_b.shape[0]
         i = torch.arange(lq, device=q.device)[:, None]
@@ -70,8 +83,12 @@ def flash_attn_varlen_func(
         visible = j < lens[b]
         if causal:
             visible = visible & (j <= lens[b] - q_lens[b] + i)
-        outs.append(
-            _sdpa(q_b[None], keys[b : b + 1], values[b : b + 1], visible[None], softmax_scale)[0]
+        visible = _window(visible, i, j, lens[b] - q_lens[b], window_size)
+        out_b, lse_b = _attend(
+            q_b[None], keys[b : b + 1], values[b : b + 1], visible[None], softmax_scale, softcap
         )
-    out = torch.stack(outs) if q.dim() == 4 else torch.cat(outs)
-    return out, None
+        outs.append(out_b[0])
+        lses.append(lse_b[0])  # [H, lq]
+    if q.dim() == 4:  # [B, H, Lq]
+        return torch.stack(outs), torch.stack(lses)
+    return torch.cat(outs), torch.cat(lses, dim=1)  # packed: lse [H, T]

@@ -1,8 +1,10 @@
 """TEST DOUBLE for the flash-attn package — not flash-attn.
 
 It has FlashAttention-2's Python signatures (``flash_attn_func``, ``flash_attn_with_kvcache``)
-and semantics (BLHD layout, GQA, causal mask aligned bottom-right, paged KV cache read through
-``block_table`` with ``cache_seqlens``, pages a multiple of 256 tokens), computed with SDPA.
+and semantics (BLHD layout, GQA, causal mask aligned bottom-right, ``window_size=(left, right)``
+counted from that edge, ``softcap``, the log-sum-exp as ``[B, H, L]``, paged KV cache read through
+``block_table`` with ``cache_seqlens``, pages a multiple of 256 tokens), computed with SDPA or,
+for a softcap or the log-sum-exp, written out.
 Tests install it as ``sys.modules["flash_attn"]`` to exercise astrai's flash wiring where the
 real package cannot be installed.
 """
@@ -11,6 +13,32 @@ import torch
 import torch.nn.functional as F
 
 __version__ = "2.8.3+sdpa-test-double"
+
+
+def _attend(q, k, v, visible, scale, softcap=0.0):
+    """(out [B, Lq, Hq, D], lse [B, Hq, Lq]) with the scores written out (float32)."""
+    group = q.shape[2] // k.shape[2]
+    kk = k.repeat_interleave(group, dim=2).float()
+    vv = v.repeat_interleave(group, dim=2).float()
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    s = torch.einsum("bihd,bjhd->bhij", q.float(), kk) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("bhij,bjhd->bihd", p, vv).to(q.dtype).contiguous()
+    return out, lse.contiguous()
+
+
+def _window(visible, i, j, offset, window_size):
+    """Apply window_size=(left, right) around the bottom-right aligned diagonal j = i + offset."""
+    left, right = window_size
+    if left is not None and left >= 0:
+        visible = visible & (j >= i + offset - left)
+    if right is not None and right >= 0:
+        visible = visible & (j <= i + offset + right)
+    return visible
 
 
 def _sdpa(q, k, v, visible, scale):
@@ -42,13 +70,17 @@ def flash_attn_func(
     deterministic=False,
     return_attn_probs=False,
 ):
-    assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None
+    assert dropout_p == 0.0 and alibi_slopes is None
     lq, lk = q.shape[1], k.shape[1]
     i = torch.arange(lq, device=q.device)[:, None]
     j = torch.arange(lk, device=q.device)[None, :]
     visible = (
         (j <= i + (lk - lq)) if causal else torch.ones(lq, lk, dtype=torch.bool, device=q.device)
     )
+    visible = _window(visible, i, j, lk - lq, window_size)
+    if softcap > 0 or return_attn_probs:
+        out, lse = _attend(q, k, v, visible[None], softmax_scale, softcap)
+        return (out, lse, None) if return_attn_probs else out
     return _sdpa(q, k, v, visible[None], softmax_scale)
 
 
@@ -89,4 +121,8 @@ def flash_attn_with_kvcache(
     visible = j < lens
     if causal:
         visible = visible & (j <= lens - lq + i)
+    visible = _window(visible, i, j, lens - lq, window_size)
+    if softcap > 0 or return_softmax_lse:
+        out, lse = _attend(q, keys, values, visible, softmax_scale, softcap)
+        return (out, lse) if return_softmax_lse else out
     return _sdpa(q, keys, values, visible, softmax_scale)

@@ -124,7 +124,7 @@ def test_flash_dense_op_runs_the_package(flash_double, is_causal):
     q = torch.randn(2, 16, 4, 32)
     k = torch.randn(2, 16, 2, 32)
     v = torch.randn(2, 16, 2, 32)
-    out = torch.ops.astr.flash_dense(q, k, v, is_causal, 0.2)
+    out, _ = torch.ops.astr.flash_dense(q, k, v, is_causal, 0.2)
     torch.testing.assert_close(out, reference_dense(q, k, v, is_causal, 0.2))
 
 
@@ -166,7 +166,7 @@ def test_flash_paged_op_matches_torch_native(flash_double, is_causal):
         step.query_start_loc,
         step.max_query_len,
     )
-    out = torch.ops.astr.flash_paged(*args, False, is_causal, 0.125)
+    out, _ = torch.ops.astr.flash_paged(*args, False, is_causal, 0.125)
     expected = torch.ops.astr.attention(
         q3,
         k_cache=k_pool,
@@ -252,7 +252,7 @@ def flash4_dense_inputs(requires_grad=False):
 def test_flash4_dense_op_runs_the_package_and_differentiates(flash4_double, is_causal):
     q, k, v = flash4_dense_inputs(requires_grad=True)
     before = flash_attn_cute_sdpa_double.calls["dense"]
-    out = torch.ops.astr.flash_dense(q, k, v, is_causal, 0.3)
+    out, _ = torch.ops.astr.flash_dense(q, k, v, is_causal, 0.3)
     assert flash_attn_cute_sdpa_double.calls["dense"] == before + 1
     weights = torch.randn_like(out)
     (out * weights).sum().backward()
@@ -282,7 +282,7 @@ def test_flash4_paged_steps_match_definition(flash4_double, page_size, is_causal
         v = torch.randn(tokens, 2, 32, generator=run.g)
         run.cache.append(0, k, v)
         k_pool, v_pool = run.cache.layer(0)
-        out = torch.ops.astr.flash_paged(
+        out, _ = torch.ops.astr.flash_paged(
             q,
             k_pool,
             v_pool,
@@ -327,14 +327,14 @@ def test_flash4_dense_stays_one_node_in_a_compiled_graph(flash4_double):
 
     @torch.compile(backend=recorder, fullgraph=True)
     def step(q, k, v):
-        return torch.ops.astr.flash_dense(q, k, v, True, 0.3).square().sum()
+        return torch.ops.astr.flash_dense(q, k, v, True, 0.3)[0].square().sum()
 
     q, k, v = flash4_dense_inputs(requires_grad=True)
     step(q, k, v).backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    torch.ops.astr.flash_dense(q, k, v, True, 0.3).square().sum().backward()
+    torch.ops.astr.flash_dense(q, k, v, True, 0.3)[0].square().sum().backward()
     for got, want in zip(grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(got, want)
     forward_code = recorder.fw_graphs[0].code

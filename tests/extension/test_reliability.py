@@ -757,12 +757,9 @@ def test_a_huge_max_query_len_runs_as_its_bound():
         torch.ops.astr.attention(**call, max_query_len=3)  # the control: a bound too small
 
 
-# -- 2. (the lead's fix) one sequence's values never reach another's output -----------------
-
-LEAK_XFAIL = pytest.mark.xfail(strict=True, reason="lead fixes torch_native gather")
+# -- 2. one sequence's values never reach another's output (torch_native's gather) ----------
 
 
-@LEAK_XFAIL
 @pytest.mark.parametrize("poison", ["inf in k", "nan in v"])
 def test_a_non_finite_value_in_one_sequence_never_reaches_another(poison):
     """Sequence 0 (10 tokens) owns page 0; sequence 1 (2 tokens) has one page, and the padded
@@ -785,7 +782,6 @@ def test_a_non_finite_value_in_one_sequence_never_reaches_another(poison):
     assert_close_to_reference(out[10:], ref[10:])  # sequence 1 never reads page 0
 
 
-@LEAK_XFAIL
 def test_a_freed_page_holding_nan_gives_its_next_owner_nothing_of_it():
     g = torch.Generator().manual_seed(11)
     cache = small_cache(num_pages=2)

@@ -32,10 +32,13 @@ from astrai.extension import (
     attn_backend,
     explain,
     get_backend,
+    ops,
 )
 
 BACKENDS = ("cuda", "flash", "torch_native")
 NO_GPU = not torch.cuda.is_available()
+# The head dims the cuda kernels were built for, as the library reports them (config.h's list).
+CUDA_HEAD_DIMS = ", ".join(str(d) for d in ops.BUILD_INFO["paged_kernels"]["head_dims"])
 
 
 @pytest.fixture(autouse=True)
@@ -601,18 +604,19 @@ SUPPORT_TABLE = [
             TorchNativeBackend: None,
         },
     ),
+    ("paged-d96", lambda: _paged(head_dim=96), {CudaBackend: None, TorchNativeBackend: None}),
     (
-        "paged-d96",
-        lambda: _paged(head_dim=96),
+        "paged-d80",
+        lambda: _paged(head_dim=80),
         {
-            CudaBackend: "head_dim 96 not supported (supported: 64, 128, 256)",
+            CudaBackend: f"unsupported head_dim 80 (supported: {CUDA_HEAD_DIMS})",
             TorchNativeBackend: None,
         },
     ),
     (
-        "dense-d96",
-        lambda: _dense(head_dim=96),
-        {CudaBackend: "head_dim 96", FlashAttnBackend: None, TorchNativeBackend: None},
+        "dense-d80",
+        lambda: _dense(head_dim=80),
+        {CudaBackend: "head_dim 80", FlashAttnBackend: None, TorchNativeBackend: None},
     ),
     (
         "dense-d100",

@@ -12,16 +12,18 @@ import math
 import pytest
 import torch
 
+from astrai.extension import ops  # loads the library, registers the ops
+
 cuda = pytest.mark.cuda
 pytestmark = [
     cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-if torch.cuda.is_available():
-    import astrai.extension  # noqa: F401  (loads the library, registers the ops)
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
+# The head dims the kernels were built for (config.h's list, as the library reports it).
+HEAD_DIMS = ops.BUILD_INFO["paged_kernels"]["head_dims"] if torch.cuda.is_available() else [64, 128]
 
 
 def attention_op(
@@ -39,7 +41,7 @@ def attention_op(
 ):
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return torch.ops.astr.cuda_paged_attention(
+    out, _ = torch.ops.astr.cuda_paged_attention(
         q,
         k_cache,
         v_cache,
@@ -52,6 +54,7 @@ def attention_op(
         is_causal,
         scale,
     )
+    return out
 
 
 def poison_next_allocation(shape, dtype):
@@ -199,7 +202,7 @@ def run_prefill(batch, q, scale, is_causal=True, attn_mask=None):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("group", [1, 4, 8, 12, 16])
 def test_decode_matches_reference(dtype, head_dim, page_size, group):
@@ -220,49 +223,43 @@ def test_decode_long_sequence_uses_splits(dtype):
     assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(128)), dtype)
 
 
-# How 2 splits merge, by the binding's tuning switches: "auto" (block pairs where they run, D = 128
-# on sm_90, and fill the GPU, unless eight-warp blocks replace them; else a cluster on sm_90, else
-# the merge kernel), "pairs" (one block of two groups of warps wherever that runs, else as auto),
-# "cluster" (block pairs off) and "kernel" (the workspace and the merge kernel). "eight": one split
-# forced runs as eight-warp blocks (D = 128, where the block fits), and they replace the block
-# pairs at any length. "persistent": one split forced runs the persistent decode (D = 128) on 3
-# blocks, so that each block takes several items; "persistent_plain" the same, launched after its
-# claim counter's reset instead of as the reset's dependent launch.
-MERGE_SWITCHES = {
-    "auto": {},
-    "pairs": {"ASTR_DECODE_BLOCK_PAIRS": "1", "ASTR_DECODE_EIGHT_WARPS": "0"},
-    "cluster": {"ASTR_DECODE_BLOCK_PAIRS": "0"},
-    "kernel": {"ASTR_DECODE_CLUSTER_MERGE": "0"},
-    "eight": {"ASTR_DECODE_EIGHT_WARPS": "1"},
-    "persistent": {"ASTR_DECODE_PERSISTENT": "1", "ASTR_DECODE_PERSISTENT_BLOCKS": "3"},
-    "persistent_plain": {
-        "ASTR_DECODE_PERSISTENT": "1",
-        "ASTR_DECODE_PERSISTENT_BLOCKS": "3",
-        "ASTR_DECODE_EARLY_START": "0",
-    },
+# How 2 splits merge, by the kernel tuning (csrc/kernels/paged_attention/plan.h): "auto" (block
+# pairs where they run, D = 128 on sm_90, and fill the GPU, unless eight-warp blocks replace them;
+# else a cluster on sm_90, else the merge kernel), "pairs" (one block of two groups of warps
+# wherever that runs, else as auto), "cluster" and "kernel" (the workspace and the merge kernel).
+# "eight": one split as eight-warp blocks (D = 128, where the block fits). "persistent": the
+# persistent decode (D = 128) on 3 blocks, so that each block takes several items. A form that
+# cannot run (head dim, GPU) falls back to the automatic choice.
+MERGE_TUNING = {
+    "auto": "",
+    "pairs": "decode_form=block_pairs",
+    "cluster": "decode_form=cluster",
+    "kernel": "decode_form=split",
+    "eight": "decode_form=eight_warps",
+    "persistent": "decode_form=persistent,persistent_blocks=3",
 }
-SWITCH_NAMES = (
-    "ASTR_DECODE_BLOCK_PAIRS",
-    "ASTR_DECODE_CLUSTER_MERGE",
-    "ASTR_DECODE_EIGHT_WARPS",
-    "ASTR_DECODE_PERSISTENT",
-    "ASTR_DECODE_PERSISTENT_BLOCKS",
-    "ASTR_DECODE_EARLY_START",
-)
 
 
-def set_merge(monkeypatch, merge):
-    for name in SWITCH_NAMES:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in MERGE_SWITCHES[merge].items():
-        monkeypatch.setenv(name, value)
+@pytest.fixture
+def tuning():
+    """Sets the kernel tuning for one test (a comma-separated string, see plan.h), automatic
+    again afterwards."""
+
+    def set_tuning(*parts):
+        ops.set_kernel_tuning(",".join(p for p in parts if p))
+
+    yield set_tuning
+    ops.set_kernel_tuning("")
 
 
-# Every decode form that a forced split count and switches select (MERGE_SWITCHES).
+def splits_tuning(splits):
+    return f"decode_splits={splits}" if splits else ""
+
+
+# Every decode form that a forced split count and form select (MERGE_TUNING).
 FORCED_DECODE_FORMS = [
     (1, "eight"),
     (1, "persistent"),
-    (1, "persistent_plain"),
     (2, "pairs"),
     (2, "cluster"),
     (2, "kernel"),
@@ -272,15 +269,14 @@ SPLITS_AND_MERGES += [(n, "auto") for n in (3, 5, 8, 9, 32)]
 
 
 @pytest.mark.parametrize("splits,merge", SPLITS_AND_MERGES)
-@pytest.mark.parametrize("head_dim,group", [(64, 4), (128, 4), (128, 24), (256, 8)])
-def test_decode_every_split_count_merges_the_same(head_dim, group, splits, merge, monkeypatch):
+@pytest.mark.parametrize("head_dim,group", [(64, 4), (96, 4), (128, 4), (128, 24), (256, 8)])
+def test_decode_every_split_count_merges_the_same(head_dim, group, splits, merge, tuning):
     """A forced split count; 1 split also as eight-warp blocks (D = 128), 2 splits merged in a
     block pair, in a cluster or by the merge kernel (MERGE_SWITCHES), other counts by the merge
     kernel. Lengths 1 and 100 leave most splits empty;
     group 24 takes two row tiles, the second half empty; one sequence's mask hides every key
     (zeros)."""
-    monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
-    set_merge(monkeypatch, merge)
+    tuning(splits_tuning(splits), MERGE_TUNING[merge])
     g = torch.Generator(device="cuda").manual_seed(300 + splits + head_dim)
     lens = [1, 100, 2000, 5000]
     batch = PagedBatch(lens, [1] * 4, 2 * group, 2, head_dim, 16, torch.bfloat16, generator=g)
@@ -325,16 +321,16 @@ def test_decode_with_mask_and_empty_rows():
 
 
 @pytest.fixture(params=["wgmma", "mma_sync"])
-def prefill_kernel(request, monkeypatch):
-    """Prefill tests run on both prefill kernels, forced with ASTR_PREFILL_WGMMA (read per call;
-    conftest.py arms the hooks): wgmma wherever it runs (an sm_90 GPU, a library built for
-    sm_90a, D = 64 or 128; elsewhere this case runs mma.sync again) and mma.sync."""
-    monkeypatch.setenv("ASTR_PREFILL_WGMMA", "1" if request.param == "wgmma" else "0")
+def prefill_kernel(request, tuning):
+    """Prefill tests run on both prefill kernels, forced with the kernel tuning: wgmma wherever it
+    runs (an sm_90 GPU, a library built for sm_90a, a head dim that compiles it: D = 128;
+    elsewhere this case runs mma.sync again) and mma.sync."""
+    tuning(f"prefill_kernel={request.param}")
     return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("page_size,group", [(1, 4), (16, 1), (64, 4), (256, 8)])
 def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group, prefill_kernel):
@@ -448,15 +444,13 @@ EIGHT_WARP_KERNEL = "PagedAttentionTraits<128, true, 1, 8>"
         (16, 128, "auto", EIGHT_WARP_KERNEL),  # the pairs' grid, a short block table: 1 split
     ],
 )
-def test_decode_two_splits_run_the_chosen_merge(batch_size, head_dim, merge, expected, monkeypatch):
+def test_decode_two_splits_run_the_chosen_merge(batch_size, head_dim, merge, expected, tuning):
     """On the H200 two splits run as block pairs at D = 128 where the pairs fill the GPU (one
     launch, no merge kernel), as a cluster where they do not or with block pairs off, and with the
     merge kernel with both off; where the block table holds at most 16384 positions, one split of
     eight-warp blocks replaces the pairs. Batch 16 (Hkv = 8) takes 2 splits from the split rule;
     batch 2 is forced to 2."""
-    if batch_size == 2:
-        monkeypatch.setenv("ASTR_DECODE_SPLITS", "2")
-    set_merge(monkeypatch, merge)
+    tuning(splits_tuning(2 if batch_size == 2 else None), MERGE_TUNING[merge])
     g = torch.Generator(device="cuda").manual_seed(5 + batch_size)
     lens = torch.randint(1, 2500, (batch_size,), generator=g, device="cuda").tolist()
     q_heads, kv_heads = (32, 8) if batch_size == 16 else (8, 2)
@@ -464,26 +458,25 @@ def test_decode_two_splits_run_the_chosen_merge(batch_size, head_dim, merge, exp
         lens, [1] * batch_size, q_heads, kv_heads, head_dim, 16, torch.bfloat16, generator=g
     )
     names = launched_kernel_names(lambda: run_decode(batch))
-    attention = [n for n in names if "paged_attention_kernel" in n or "merge_kernel" in n]
+    attention = [n for n in names if "paged_decode_kernel" in n or "merge_kernel" in n]
     assert any(expected in n for n in attention), attention
     assert (merge == "kernel") == any("merge_kernel" in n for n in attention), attention
     ref = reference(batch, batch.q, True, 1.0 / math.sqrt(head_dim))
     assert_close(run_decode(batch), ref, torch.bfloat16)
 
 
-def force_eight_warp_blocks(monkeypatch):
-    monkeypatch.setenv("ASTR_DECODE_SPLITS", "1")
-    set_merge(monkeypatch, "eight")
+def force_eight_warp_blocks(tuning):
+    tuning("decode_splits=1", MERGE_TUNING["eight"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("group", [1, 4, 8, 16, 24])
-def test_decode_eight_warp_blocks_match_reference(dtype, page_size, group, monkeypatch):
+def test_decode_eight_warp_blocks_match_reference(dtype, page_size, group, tuning):
     """One split as eight-warp blocks (D = 128): 128-position tiles whose page ids come from the
     ring in shared memory, one id per row at page 1, one per tile at page 256. Lengths of 1, one
     tile, one tile and one position, a long one and a random one; group 24 takes two row tiles."""
-    force_eight_warp_blocks(monkeypatch)
+    force_eight_warp_blocks(tuning)
     g = torch.Generator(device="cuda").manual_seed(2000 + page_size + group)
     lens = [1, 128, 129, 8192, int(torch.randint(2, 8192, (1,), generator=g, device="cuda"))]
     batch = PagedBatch(lens, [1] * len(lens), 2 * group, 2, 128, page_size, dtype, generator=g)
@@ -501,10 +494,10 @@ def eight_warp_block_fits():
     not torch.cuda.is_available() or not eight_warp_block_fits(),
     reason="eight-warp blocks: a GPU that gives a block 138 KB of shared memory",
 )
-def test_decode_forced_one_split_runs_eight_warp_blocks(monkeypatch):
+def test_decode_forced_one_split_runs_eight_warp_blocks(tuning):
     """With one split forced and the switch on, D = 128 runs the eight-warp kernel, which the tests
     of that route above rely on; other head dims keep their 4-warp kernel."""
-    force_eight_warp_blocks(monkeypatch)
+    force_eight_warp_blocks(tuning)
     g = torch.Generator(device="cuda").manual_seed(43)
     for head_dim, expected in (
         (128, EIGHT_WARP_KERNEL),
@@ -512,15 +505,15 @@ def test_decode_forced_one_split_runs_eight_warp_blocks(monkeypatch):
     ):
         batch = PagedBatch([300, 1500], [1, 1], 8, 2, head_dim, 16, torch.bfloat16, generator=g)
         names = launched_kernel_names(lambda batch=batch: run_decode(batch))
-        attention = [n for n in names if "paged_attention_kernel" in n or "merge_kernel" in n]
+        attention = [n for n in names if "paged_decode_kernel" in n or "merge_kernel" in n]
         assert len(attention) == 1 and expected in attention[0], attention
 
 
 @pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
-def test_decode_eight_warp_blocks_with_mask_and_any_scale(scale, monkeypatch):
+def test_decode_eight_warp_blocks_with_mask_and_any_scale(scale, tuning):
     """Eight-warp blocks with a user mask (one sequence sees no key: zeros) and scales of any
     sign."""
-    force_eight_warp_blocks(monkeypatch)
+    force_eight_warp_blocks(tuning)
     g = torch.Generator(device="cuda").manual_seed(31)
     batch = PagedBatch([700, 5, 3000], [1] * 3, 8, 2, 128, 16, torch.bfloat16, generator=g)
     mask = torch.rand(3, 3000, generator=g, device="cuda") > 0.3
@@ -545,11 +538,8 @@ needs_persistent_block = pytest.mark.skipif(
 )
 
 
-def force_persistent_decode(monkeypatch, blocks):
-    monkeypatch.setenv("ASTR_DECODE_SPLITS", "1")
-    set_merge(monkeypatch, "auto")
-    monkeypatch.setenv("ASTR_DECODE_PERSISTENT", "1")
-    monkeypatch.setenv("ASTR_DECODE_PERSISTENT_BLOCKS", str(blocks))
+def force_persistent_decode(tuning, blocks):
+    tuning(f"decode_form=persistent,persistent_blocks={blocks}")
 
 
 @needs_persistent_block
@@ -557,13 +547,13 @@ def force_persistent_decode(monkeypatch, blocks):
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("group", [1, 4, 8, 16, 24])
 @pytest.mark.parametrize("blocks", [1, 3, 7])
-def test_decode_persistent_blocks_match_reference(dtype, page_size, group, blocks, monkeypatch):
+def test_decode_persistent_blocks_match_reference(dtype, page_size, group, blocks, tuning):
     """The persistent decode: each of `blocks` blocks starts with item (sequence, kv head, row
     tile) b, claims the others in turn from the launch's counter and streams their tiles as one
     pipeline. Lengths 0 (zeros), 1 and 128 (one tile: the next item's tile follows at once, and
     its claim is waited for; also as a block's first item), 129, 3000 and a random one; group 24
     takes two row tiles per (sequence, kv head)."""
-    force_persistent_decode(monkeypatch, blocks)
+    force_persistent_decode(tuning, blocks)
     g = torch.Generator(device="cuda").manual_seed(3000 + page_size + group + blocks)
     lens = [
         1,
@@ -584,17 +574,14 @@ def test_decode_persistent_blocks_match_reference(dtype, page_size, group, block
 
 
 @needs_persistent_block
-@pytest.mark.parametrize("start", ["early", "plain"])
 @pytest.mark.parametrize("blocks", [2, 5, 132])
-def test_decode_persistent_blocks_ragged_batch_covers_every_item(blocks, start, monkeypatch):
+def test_decode_persistent_blocks_ragged_batch_covers_every_item(blocks, tuning):
     """A ragged batch of 61 sequences (lengths 1 to 6000, a run of one-tile ones) over 2, 5 or 132
     blocks: every item is claimed once and written (poisoned output, NaN otherwise), whatever the
     order in which the blocks claim them. Three calls in a row, each on a counter that its launch
     zeroes (the caching allocator tends to hand out the last call's, which holds its count), the
-    decode started before the reset ends ("early", sm_90) or after it ("plain")."""
-    force_persistent_decode(monkeypatch, blocks)
-    if start == "plain":
-        monkeypatch.setenv("ASTR_DECODE_EARLY_START", "0")
+    decode started before the reset ends (sm_90)."""
+    force_persistent_decode(tuning, blocks)
     g = torch.Generator(device="cuda").manual_seed(59 + blocks)
     lens = torch.randint(1, 6000, (61,), generator=g, device="cuda").tolist()
     lens[10:20] = [1, 2, 128, 1, 5, 128, 1, 1, 64, 3]
@@ -606,10 +593,10 @@ def test_decode_persistent_blocks_ragged_batch_covers_every_item(blocks, start, 
 
 @needs_persistent_block
 @pytest.mark.parametrize("scale", [-0.2, 0.0, 0.3])
-def test_decode_persistent_blocks_with_mask_and_any_scale(scale, monkeypatch):
+def test_decode_persistent_blocks_with_mask_and_any_scale(scale, tuning):
     """The persistent decode with a user mask (one sequence sees no key: zeros; the mask narrower
     than the longest sequence) and scales of any sign, on 2 blocks."""
-    force_persistent_decode(monkeypatch, 2)
+    force_persistent_decode(tuning, 2)
     g = torch.Generator(device="cuda").manual_seed(37)
     batch = PagedBatch(
         [700, 5, 3000, 40, 2500], [1] * 5, 8, 2, 128, 16, torch.bfloat16, generator=g
@@ -641,12 +628,10 @@ def device_has_132_sms():
         (128, PERSISTENT_KERNEL),
     ],
 )
-def test_decode_persistent_blocks_run_where_the_rule_says(batch_size, expected, monkeypatch):
+def test_decode_persistent_blocks_run_where_the_rule_says(batch_size, expected):
     """By default (shapes only) one split runs the persistent decode where its items, one per SM
     at a time, take 3 rounds or 5 and more (B=40, 48, 80 and 128 at Hkv=8: 320, 384, 640 and 1024
     items, 3, 3, 5 and 8 rounds on 132 SMs), and 4-warp blocks at 2 or 4 rounds (B=24, 64)."""
-    monkeypatch.delenv("ASTR_DECODE_SPLITS", raising=False)
-    set_merge(monkeypatch, "auto")
     g = torch.Generator(device="cuda").manual_seed(53 + batch_size)
     lens = torch.randint(1, 1500, (batch_size,), generator=g, device="cuda").tolist()
     batch = PagedBatch(lens, [1] * batch_size, 32, 8, 128, 16, torch.bfloat16, generator=g)
@@ -661,10 +646,9 @@ def test_decode_persistent_blocks_run_where_the_rule_says(batch_size, expected, 
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="block pairs: an sm_90 GPU",
 )
-def test_decode_eight_warp_blocks_replace_pairs_up_to_16384_positions(monkeypatch):
+def test_decode_eight_warp_blocks_replace_pairs_up_to_16384_positions():
     """The rule reads the block table's width, never seq_lens: a table of at most 16384 positions
     runs eight-warp blocks on the pairs' grid, a wider one the block pairs, at the same lengths."""
-    set_merge(monkeypatch, "auto")
     g = torch.Generator(device="cuda").manual_seed(41)
     lens = torch.randint(1, 2500, (16,), generator=g, device="cuda").tolist()
     for extra_pages, expected in ((2, EIGHT_WARP_KERNEL), (1030, PAIR_KERNEL)):
@@ -672,21 +656,19 @@ def test_decode_eight_warp_blocks_replace_pairs_up_to_16384_positions(monkeypatc
             lens, [1] * 16, 32, 8, 128, 16, torch.bfloat16, generator=g, extra_width=extra_pages
         )
         names = launched_kernel_names(lambda batch=batch: run_decode(batch))
-        attention = [n for n in names if "paged_attention_kernel" in n or "merge_kernel" in n]
+        attention = [n for n in names if "paged_decode_kernel" in n or "merge_kernel" in n]
         assert len(attention) == 1 and expected in attention[0], attention
         ref = reference(batch, batch.q, True, 1.0 / math.sqrt(128))
         assert_close(run_decode(batch), ref, torch.bfloat16)
 
 
 @pytest.mark.parametrize("splits,merge", [(None, "auto"), *FORCED_DECODE_FORMS, (24, "auto")])
-def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, monkeypatch):
+def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, tuning):
     """Capture one decode step, then replay it as the sequences grow: the split count and the
     workspace come from shapes, the per-split chunk from the seq_lens read on the device. With the
     heuristic's split count, forced to 1 as eight-warp blocks, to 2 (merged in a block pair or a
     cluster on sm_90, or by the merge kernel) and to 24 (the merge kernel)."""
-    if splits is not None:
-        monkeypatch.setenv("ASTR_DECODE_SPLITS", str(splits))
-    set_merge(monkeypatch, merge)
+    tuning(splits_tuning(splits), MERGE_TUNING[merge])
     g = torch.Generator(device="cuda").manual_seed(21)
     hq, hkv, d, page = 32, 8, 128, 16
     max_len = 4096
@@ -717,7 +699,7 @@ def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, monkeypatc
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = torch.ops.astr.cuda_paged_attention(*args)
+        static_out, _ = torch.ops.astr.cuda_paged_attention(*args)
     for lens in ([3, 1, 17, 100], [64, 65, 700, 1000], [2048, 129, 4000, 4096]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))
@@ -846,7 +828,7 @@ def call(args):
         args["attn_mask"],
         args["is_causal"],
         args["scale"],
-    )
+    )[0]
 
 
 def test_rejects_wrong_q_dtype():
@@ -880,10 +862,11 @@ def test_rejects_heads_that_do_not_divide():
 
 
 def test_rejects_unsupported_head_dim():
-    q = torch.randn(2, 8, 96, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(4, 16, 2, 96, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, 8, 80, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(4, 16, 2, 80, device="cuda", dtype=torch.bfloat16)
     args = small_batch(q=q, k_cache=kc, v_cache=kc.clone())
-    with pytest.raises(RuntimeError, match=r"unsupported head_dim 96 \(supported: 64, 128, 256\)"):
+    supported = ", ".join(str(d) for d in HEAD_DIMS)
+    with pytest.raises(RuntimeError, match=rf"unsupported head_dim 80 \(supported: {supported}\)"):
         call(args)
 
 

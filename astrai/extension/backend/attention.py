@@ -9,7 +9,6 @@ Backends written in Python are run here, since C++ cannot call them.
 
 from __future__ import annotations
 
-import enum
 import functools
 import json
 import os
@@ -30,10 +29,11 @@ from .base import (
     thread_context,
 )
 from .builtin import BuiltinBackend
-from .call import attention_op_args, paged_query_tokens, run_builtin
+from .call import Variants, attention_op_args, paged_query_tokens, run_builtin
 from .cuda import CudaBackend
 from .factory import AttentionBackendFactory, _instance
 from .flash import FlashAttnBackend, probe_flash
+from .registry import ATTN_BACKEND, BUILTIN_BACKENDS
 from .torch_native import TorchNativeBackend
 
 __all__ = [
@@ -48,13 +48,8 @@ __all__ = [
     "attn_backend",
     "explain",
     "get_backend",
+    "merge_states",
 ]
-
-
-class ATTN_BACKEND(str, enum.Enum):
-    CUDA = "cuda"
-    FLASH = "flash"
-    TORCH_NATIVE = "torch_native"
 
 
 def flash_attn_available() -> bool:
@@ -62,16 +57,16 @@ def flash_attn_available() -> bool:
     return probe_flash().available
 
 
+def _is_available(cls) -> bool:
+    # flash's availability is asked through flash_attn_available, the hook that the backend
+    # contract (tests/extension/test_backend.py) replaces.
+    return flash_attn_available() if cls is FlashAttnBackend else cls.available()
+
+
 @functools.cache
 def _priority_backends() -> List[AttentionBackend]:
-    """The available built-in backends, in default priority order."""
-    backends = []
-    if CudaBackend.available():
-        backends.append(_instance(CudaBackend))
-    if flash_attn_available():
-        backends.append(_instance(FlashAttnBackend))
-    backends.append(_instance(TorchNativeBackend))
-    return backends
+    """The available built-in backends, in default priority order (registry.py's list)."""
+    return [_instance(cls) for cls in BUILTIN_BACKENDS if _is_available(cls)]
 
 
 _BUILTIN_NAMES = frozenset(backend.value for backend in ATTN_BACKEND)
@@ -255,6 +250,10 @@ def attention(
     fwd=None,
     backend: BackendSpec = None,
     scale: Optional[float] = None,
+    window_left: int = -1,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
 ):
     """Attention over BLHD q/k/v (``[batch, seq_len, heads, head_dim]``).
 
@@ -262,10 +261,24 @@ def attention(
     with ``kv_cache``: k/v (the new tokens) are appended to layer ``layer_id``'s pools, then q
     attends over the cache using the metadata of ``kv_cache.begin_step(...)``; for a ragged
     prefill pack the batch's new tokens along dim 1 (``[1, T, heads, head_dim]``).
+
+    Variants: ``window_left=W >= 0`` (with ``is_causal``) lets a query at absolute position p
+    see keys p - W .. p (positions top-left aligned for dense calls, ``seq_len - q_len + i``
+    for paged ones); ``softcap=c`` turns each score s = scale * q.k into c * tanh(s / c);
+    ``sinks`` (float32 ``[heads]``) adds one logit per query head to its softmax denominator,
+    with no value. ``return_lse=True`` returns ``(out, lse)``: lse float32, out's shape without
+    its last dim, the natural log of each row's softmax denominator (sink included; -inf for a
+    row that sees no key, whose out is 0). ``merge_states`` combines two such partial results.
     """
     _ensure_probed()
+    variants = Variants(window_left, softcap, sinks, return_lse)
     python_backend = _python_backend(backend)
     if python_backend is not None:
+        if variants != Variants():
+            raise ValueError(
+                f"{type(python_backend).__name__} is written in Python: window_left, softcap, "
+                "sinks and return_lse run only on the built-in backends"
+            )
         return python_backend.forward(
             q,
             k,
@@ -279,8 +292,15 @@ def attention(
     name = _builtin_name(backend)
     selection = _observed_selection() if name is None else None
     return run_builtin(
-        q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, name, scale, selection
+        q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, name, scale, selection, variants
     )
+
+
+def merge_states(out_a, lse_a, out_b, lse_b):
+    """Combine two partial attentions over disjoint key sets exactly: ``out`` ``[..., D]`` and
+    ``lse`` ``[...]`` (float32, natural log, as ``attention(..., return_lse=True)`` returns
+    them; -inf for a row that saw no key). Returns ``(out, lse)`` of the union."""
+    return torch.ops.astr.merge_states(out_a, lse_a, out_b, lse_b)
 
 
 @dataclass
@@ -318,6 +338,10 @@ def explain(
     fwd=None,
     backend: BackendSpec = None,
     scale: Optional[float] = None,
+    window_left: int = -1,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
 ) -> Decision:
     """The resolver's decision for a call, without running it (nothing is appended)."""
     _ensure_probed()
@@ -326,9 +350,21 @@ def explain(
         return Decision(type(python_backend).__name__, "argument" if backend else "context")
     name = _builtin_name(backend)
     selection = _observed_selection() if name is None else None
+    variant_args = dict(
+        window_left=window_left, softcap=softcap, sinks=sinks, return_lse=return_lse
+    )
     if kv_cache is None:
         text = torch.ops.astr.explain(
-            q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=name, selection=selection
+            q,
+            k,
+            v,
+            attn_mask,
+            is_causal,
+            scale,
+            mode=fwd,
+            backend=name,
+            selection=selection,
+            **variant_args,
         )
     else:
         k_pool, v_pool = kv_cache.layer(layer_id)
@@ -342,6 +378,7 @@ def explain(
             backend=name,
             selection=selection,
             **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
+            **variant_args,
         )
     data = json.loads(text)
     return Decision(

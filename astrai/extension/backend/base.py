@@ -58,6 +58,12 @@ def task_context() -> Optional[ContextEntry]:
     return None
 
 
+def task_backends() -> List[AttentionBackend]:
+    """The backends of the calling task's contexts, outermost first: what code that runs the
+    task's work on another thread enters again there."""
+    return [entry.backend for entry in TASK_CONTEXTS.get() if not entry.withdrawn]
+
+
 def thread_context() -> Optional[ContextEntry]:
     """The innermost context entered on this thread by any task and not yet exited: what the
     C++ resolver reads for a call that does not pass its selection."""
@@ -134,6 +140,11 @@ class AttentionBackend:
     @classmethod
     def available(cls) -> bool:
         return True
+
+    @classmethod
+    def status_reason(cls) -> str:
+        """Why the backend is unavailable, or a short note on what it runs (``info`` shows it)."""
+        return ""
 
     def supports_call(self, q, kv_cache, attn_mask, is_causal, fwd) -> bool:
         return True

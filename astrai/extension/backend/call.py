@@ -3,6 +3,7 @@ append), so that the C++ resolver makes every choice."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -16,6 +17,26 @@ def paged_query_tokens(q):
             f"{list(q.shape)}"
         )
     return q.reshape(-1, q.shape[-2], q.shape[-1])
+
+
+@dataclass(frozen=True)
+class Variants:
+    """The attention variants of one call (csrc/kernels/paged_attention/params.h defines them)."""
+
+    window_left: int = -1
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None  # float32 [Hq]
+    return_lse: bool = False
+
+    def op_args(self) -> dict:
+        """astr::attention's keyword arguments for them (return_lse picks the op's overload)."""
+        args = dict(window_left=self.window_left, softcap=self.softcap, sinks=self.sinks)
+        if self.return_lse:
+            args["return_lse"] = True
+        return args
+
+
+NO_VARIANTS = Variants()
 
 
 def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale):
@@ -47,19 +68,30 @@ def run_builtin(
     backend: Optional[str],
     scale: Optional[float] = None,
     selection: Optional[str] = None,
+    variants: Variants = NO_VARIANTS,
 ):
     """Run a call through the C++ resolver; ``backend`` None lets it choose (context stack,
     ASTR_BACKEND, default priority; or ``selection``, what the caller observed of the first
-    two: see astr::attention's contract in csrc/README.md)."""
+    two: see astr::attention's contract in csrc/README.md). Returns out, or (out, lse) when
+    ``variants.return_lse``."""
     if kv_cache is None:
         return torch.ops.astr.attention(
-            q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=backend, selection=selection
+            q,
+            k,
+            v,
+            attn_mask,
+            is_causal,
+            scale,
+            mode=fwd,
+            backend=backend,
+            selection=selection,
+            **variants.op_args(),
         )
     k_pool, v_pool = kv_cache.layer(layer_id)
     q_tokens = paged_query_tokens(q)  # [T, Hq, D]; checked before anything is appended
     if k is not None:
         kv_cache.append(layer_id, k, v)
-    out = torch.ops.astr.attention(
+    result = torch.ops.astr.attention(
         q_tokens,
         None,
         None,
@@ -68,5 +100,9 @@ def run_builtin(
         backend=backend,
         selection=selection,
         **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
+        **variants.op_args(),
     )
-    return out.view(*q.shape[:-1], out.shape[-1])
+    if variants.return_lse:
+        out, lse = result
+        return out.view(*q.shape[:-1], out.shape[-1]), lse.view(q.shape[:-1])
+    return result.view(*q.shape[:-1], result.shape[-1])

@@ -34,3 +34,7 @@ class CudaBackend(BuiltinBackend):
     @classmethod
     def available(cls) -> bool:
         return cuda_kernels_available()
+
+    @classmethod
+    def status_reason(cls) -> str:
+        return cuda_unavailable_reason() or ops.backend_status("cuda")["reason"]

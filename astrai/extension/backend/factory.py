@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Dict, List, Type
 
 from .base import AttentionBackend
-from .cuda import CudaBackend
-from .flash import FlashAttnBackend
-from .torch_native import TorchNativeBackend
+from .registry import BUILTIN_BACKENDS
 
 _SINGLETONS: Dict[type, AttentionBackend] = {}
 
@@ -24,11 +22,7 @@ class AttentionBackendFactory:
     """Maps names to backend classes. The built-ins are registered at import; a Python
     backend can be registered under a new name."""
 
-    _registry: Dict[str, Type[AttentionBackend]] = {
-        "cuda": CudaBackend,
-        "flash": FlashAttnBackend,
-        "torch_native": TorchNativeBackend,
-    }
+    _registry: Dict[str, Type[AttentionBackend]] = {cls.name: cls for cls in BUILTIN_BACKENDS}
 
     @classmethod
     def register(cls, name: str, backend_cls: Type[AttentionBackend]) -> None:

@@ -112,6 +112,10 @@ class FlashAttnBackend(BuiltinBackend):
     def available(cls) -> bool:
         return probe_flash().available
 
+    @classmethod
+    def status_reason(cls) -> str:
+        return probe_flash().reason
+
     def _forward_dense(self, q, k, v, attn_mask=None, is_causal=False, scale=None):
         if attn_mask is not None:
             raise ValueError(

@@ -26,6 +26,50 @@ def _first(result):
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
+def _no_lse(out):
+    """The empty lse the ops return when the call did not ask for one."""
+    return out.new_empty(0, dtype=torch.float32)
+
+
+def _lse_like(lse, rows):
+    """The package's log-sum-exp ([B, H, L] dense, [H, T] or [B, H, 1] paged) as astrai's:
+    out's shape without its last dim (``rows``: [B, L, H] or [T, H]), float32."""
+    if lse is None:
+        raise RuntimeError("flash backend: the installed flash-attn returned no log-sum-exp")
+    lse = lse.float()
+    if tuple(lse.shape) == tuple(rows):
+        return lse
+    if lse.dim() == 3 and len(rows) == 3:  # [B, H, L] -> [B, L, H]
+        return lse.transpose(1, 2).contiguous()
+    if lse.dim() == 2 and len(rows) == 2:  # [H, T] -> [T, H]
+        return lse.transpose(0, 1).contiguous()
+    if lse.dim() == 3 and len(rows) == 2:  # decode [B, H, 1] -> [B, H]
+        return lse.reshape(rows[0], -1).contiguous()
+    raise RuntimeError(
+        f"flash backend: cannot read the package's log-sum-exp of shape {tuple(lse.shape)} "
+        f"as {tuple(rows)}"
+    )
+
+
+def _variant_kwargs(function, window_left, softcap, no_window):
+    """The package's own arguments for a window and a softcap: window_size=(left, 0) (the right
+    side 0: causal) and softcap=c. Plain calls pass neither, so packages without them work."""
+    kwargs = {}
+    parameters = inspect.signature(function).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if window_left >= 0:
+        if "window_size" not in parameters and not accepts_any:
+            raise RuntimeError(f"flash backend: {function.__module__} has no window_size")
+        kwargs["window_size"] = (window_left, 0)
+    elif "window_size" in parameters:
+        kwargs["window_size"] = no_window
+    if softcap > 0:
+        if "softcap" not in parameters and not accepts_any:
+            raise RuntimeError(f"flash backend: {function.__module__} has no softcap")
+        kwargs["softcap"] = softcap
+    return kwargs
+
+
 def _paged_kwarg(function) -> str:
     """FlashAttention-2 names the page table ``block_table``; FlashAttention-3 ``page_table``."""
     parameters = inspect.signature(function).parameters
@@ -54,9 +98,25 @@ def register(module: ModuleType) -> None:
     dense_fn = module.flash_attn_func
     kvcache_fn = getattr(module, "flash_attn_with_kvcache", None)
 
-    def flash_dense(q, k, v, is_causal: bool, scale: float):
-        # q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D]
-        return _first(dense_fn(q, k, v, softmax_scale=scale, causal=is_causal))
+    def flash_dense(
+        q,
+        k,
+        v,
+        is_causal: bool,
+        scale: float,
+        window_left: int = -1,
+        softcap: float = 0.0,
+        return_lse: bool = False,
+    ):
+        # q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D], lse [B, Lq, Hq]
+        kwargs = _variant_kwargs(dense_fn, window_left, softcap, (-1, -1))
+        if return_lse:
+            kwargs["return_attn_probs"] = True  # FlashAttention-2/3: (out, lse, ...)
+        result = dense_fn(q, k, v, softmax_scale=scale, causal=is_causal, **kwargs)
+        out = _first(result)
+        if not return_lse:
+            return out, _no_lse(out)
+        return out, _lse_like(result[1], out.shape[:-1])
 
     def flash_paged(
         q,
@@ -69,6 +129,9 @@ def register(module: ModuleType) -> None:
         decode: bool,
         is_causal: bool,
         scale: float,
+        window_left: int = -1,
+        softcap: float = 0.0,
+        return_lse: bool = False,
     ):
         # q [T, Hq, D]; caches [P, S, Hkv, D]; block_table int32 [B, W]; seq_lens int32 [B]
         if kvcache_fn is None:
@@ -78,18 +141,26 @@ def register(module: ModuleType) -> None:
             padded, seq, pos = q.view(batch, 1, q.shape[1], q.shape[2]), None, None
         else:
             padded, seq, pos = _left_padded(q, query_start_loc, max_query_len, batch)
-        out = _first(
-            kvcache_fn(
-                padded,
-                k_cache,
-                v_cache,
-                cache_seqlens=seq_lens,
-                softmax_scale=scale,
-                causal=is_causal,
-                **{_paged_kwarg(kvcache_fn): block_table},
-            )
+        kwargs = _variant_kwargs(kvcache_fn, window_left, softcap, (-1, -1))
+        if return_lse:
+            kwargs["return_softmax_lse"] = True
+        result = kvcache_fn(
+            padded,
+            k_cache,
+            v_cache,
+            cache_seqlens=seq_lens,
+            softmax_scale=scale,
+            causal=is_causal,
+            **{_paged_kwarg(kvcache_fn): block_table},
+            **kwargs,
         )
-        return out.view(q.shape[0], q.shape[1], -1) if decode else out[seq, pos]
+        out = _first(result)
+        out = out.view(q.shape[0], q.shape[1], -1) if decode else out[seq, pos]
+        if not return_lse:
+            return out, _no_lse(out)
+        lse = _lse_like(result[1], padded.shape[:-1])  # [B, max_q, Hq]
+        lse = lse.view(q.shape[0], q.shape[1]) if decode else lse[seq, pos]
+        return out, lse
 
     library = _new_library()
     library.impl("flash_dense", flash_dense, "CompositeImplicitAutograd")
@@ -114,16 +185,42 @@ def register_flash4(module: ModuleType) -> None:
     zeroed and only ever hold written tokens, so they never hold one."""
     dense_fn = module.flash_attn_func
     varlen_fn = module.flash_attn_varlen_func
+    no_window = (None, None)
 
-    def flash_dense(q, k, v, is_causal: bool, scale: float):
-        return _first(dense_fn(q, k, v, softmax_scale=scale, causal=is_causal))
+    def flash_dense(
+        q,
+        k,
+        v,
+        is_causal: bool,
+        scale: float,
+        window_left: int = -1,
+        softcap: float = 0.0,
+        return_lse: bool = False,
+    ):
+        # FlashAttention-4 returns (out, lse), lse [B, H, L].
+        kwargs = _variant_kwargs(dense_fn, window_left, softcap, no_window)
+        result = dense_fn(q, k, v, softmax_scale=scale, causal=is_causal, **kwargs)
+        out = _first(result)
+        if not return_lse:
+            return out, _no_lse(out)
+        return out, _lse_like(result[1], out.shape[:-1])
 
-    def flash_dense_backward(grad_out, q, k, v, is_causal: bool, scale: float):
+    def flash_dense_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        is_causal: bool,
+        scale: float,
+        window_left: int = -1,
+        softcap: float = 0.0,
+    ):
         # The package's public API returns no softmax statistics, so the backward runs its
         # forward again under autograd and differentiates that (one extra forward per step).
+        kwargs = _variant_kwargs(dense_fn, window_left, softcap, no_window)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            out = _first(dense_fn(*leaves, softmax_scale=scale, causal=is_causal))
+            out = _first(dense_fn(*leaves, softmax_scale=scale, causal=is_causal, **kwargs))
             grads = torch.autograd.grad(out, leaves, grad_out)
         return tuple(g.contiguous() for g in grads)
 
@@ -138,18 +235,25 @@ def register_flash4(module: ModuleType) -> None:
         decode: bool,
         is_causal: bool,
         scale: float,
+        window_left: int = -1,
+        softcap: float = 0.0,
+        return_lse: bool = False,
     ):
         # q [T, Hq, D]; caches [P, S, Hkv, D]; block_table int32 [B, W]; seq_lens int32 [B].
         # Both forms align the causal edge bottom-right against seqused_k: astr's convention.
         common = dict(
-            seqused_k=seq_lens, page_table=block_table, softmax_scale=scale, causal=is_causal
+            seqused_k=seq_lens,
+            page_table=block_table,
+            softmax_scale=scale,
+            causal=is_causal,
+            **_variant_kwargs(varlen_fn, window_left, softcap, no_window),
         )
         if decode:
             batch = seq_lens.shape[0]
-            out = _first(varlen_fn(q.reshape(batch, 1, *q.shape[1:]), k_cache, v_cache, **common))
-            return out.reshape(q.shape[0], q.shape[1], -1)
-        return _first(
-            varlen_fn(
+            result = varlen_fn(q.reshape(batch, 1, *q.shape[1:]), k_cache, v_cache, **common)
+            out = _first(result).reshape(q.shape[0], q.shape[1], -1)
+        else:
+            result = varlen_fn(
                 q,
                 k_cache,
                 v_cache,
@@ -157,7 +261,10 @@ def register_flash4(module: ModuleType) -> None:
                 max_seqlen_q=max_query_len,
                 **common,
             )
-        )
+            out = _first(result)
+        if not return_lse:
+            return out, _no_lse(out)
+        return out, _lse_like(result[1], out.shape[:-1])
 
     library = _new_library()
     for key in ("CPU", "CUDA"):  # CPU: only ever reached by a test double; the resolver
@@ -165,12 +272,15 @@ def register_flash4(module: ModuleType) -> None:
         library.impl("flash_dense_backward", flash_dense_backward, key)
         library.impl("flash_paged", flash_paged, key)
 
+    def lse_fake(q, return_lse):
+        return q.new_empty(q.shape[:-1] if return_lse else (0,), dtype=torch.float32)
+
     @torch.library.register_fake("astr::flash_dense", lib=library)
-    def _(q, k, v, is_causal, scale):
-        return q.new_empty(q.shape[:-1] + v.shape[-1:])
+    def _(q, k, v, is_causal, scale, window_left=-1, softcap=0.0, return_lse=False):
+        return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse_fake(q, return_lse)
 
     @torch.library.register_fake("astr::flash_dense_backward", lib=library)
-    def _(grad_out, q, k, v, is_causal, scale):
+    def _(grad_out, q, k, v, is_causal, scale, window_left=-1, softcap=0.0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     @torch.library.register_fake("astr::flash_paged", lib=library)
@@ -185,20 +295,26 @@ def register_flash4(module: ModuleType) -> None:
         decode,
         is_causal,
         scale,
+        window_left=-1,
+        softcap=0.0,
+        return_lse=False,
     ):
-        return q.new_empty(q.shape[:-1] + v_cache.shape[-1:])
+        return q.new_empty(q.shape[:-1] + v_cache.shape[-1:]), lse_fake(q, return_lse)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, is_causal, scale = inputs
+        q, k, v, is_causal, scale, *variant = inputs
+        window_left, softcap = (list(variant) + [-1, 0.0])[:2]
         ctx.save_for_backward(q, k, v)
         ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.window_left, ctx.softcap = window_left, softcap
 
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
+        # grad_lse: the log-sum-exp output is not differentiated through on this path.
         q, k, v = ctx.saved_tensors
         dq, dk, dv = torch.ops.astr.flash_dense_backward(
-            grad_out.contiguous(), q, k, v, ctx.is_causal, ctx.scale
+            grad_out.contiguous(), q, k, v, ctx.is_causal, ctx.scale, ctx.window_left, ctx.softcap
         )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None, None, None
 
     torch.library.register_autograd(
         "astr::flash_dense", backward, setup_context=setup_context, lib=library

@@ -10,3 +10,7 @@ class TorchNativeBackend(BuiltinBackend):
     @classmethod
     def available(cls) -> bool:
         return True
+
+    @classmethod
+    def status_reason(cls) -> str:
+        return "at::scaled_dot_product_attention (scores written out for the variants)"

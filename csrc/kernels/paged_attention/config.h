@@ -1,0 +1,110 @@
+// The one list of what the paged-attention kernels are built for. Everything else derives from it:
+//   - the resolver's capability rules (csrc/dispatch/capability.cpp: head dims, dtypes, kv dtypes);
+//   - the template dispatch (launch.cu: dispatch_head_dim, dispatch_types);
+//   - the build's instantiation files (scripts/generate_instantiations.py reads the table rows and
+//     the type lists below, one .cu per family, head dim, q dtype and kv dtype);
+//   - the `info` capability table (build_info.cpp reports what was built).
+// Plain C++ (no CUDA): the resolver and GoogleTest include it. Adding a head dim or a KV-cache
+// dtype: csrc/README.md.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace astrai::kernels {
+
+// Head dims with kernels, and which optional forms each one compiles. Every head dim has the
+// decode (blocks of 4 warps, splits merged by the merge kernel or in a thread-block cluster) and
+// the mma.sync prefill; the forms measured to pay at D = 128 are compiled there only:
+//   decode_block_pairs   2 splits as one block of two groups of warps (traits.h, kGroups)
+//   decode_eight_warps   1 split as one block of 8 warps per SM (traits.h, kWarps)
+//   decode_persistent    one block per SM taking items in turn (decode_persistent_kernel.cuh)
+//   prefill_wgmma        Hopper's warpgroup multiply (prefill_wgmma_kernel.cuh; sm_90a builds)
+struct HeadDimForms {
+  int head_dim;
+  bool decode_block_pairs;
+  bool decode_eight_warps;
+  bool decode_persistent;
+  bool prefill_wgmma;
+};
+
+// clang-format off
+// generate_instantiations.py parses the rows between the two markers: keep one row per line.
+inline constexpr HeadDimForms kPagedHeadDims[] = {
+    // BEGIN HEAD DIMS
+    {64,  false, false, false, false},
+    {96,  false, false, false, false},
+    {128, true,  true,  true,  true},
+    {256, false, false, false, false},
+    // END HEAD DIMS
+};
+// clang-format on
+inline constexpr size_t kNumPagedHeadDims = sizeof(kPagedHeadDims) / sizeof(kPagedHeadDims[0]);
+
+// q and output element types (16-bit floats; the mma.sync / wgmma operand types).
+//   X(ScalarType enumerator, CUDA type, torch name)
+#define ASTRAI_PAGED_Q_TYPES(X)           \
+  X(kBFloat16, __nv_bfloat16, "bfloat16") \
+  X(kFloat16, __half, "float16")
+
+// KV-cache element kinds: X(enumerator, storage type or Q for q's own, file-name part).
+#define ASTRAI_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same)
+
+// The development build (ASTR_HEAD_DIM=128 at build time: setup.py defines ASTRAI_ONLY_HEAD_DIM)
+// compiles one head dim; everything that reads the list asks through paged_head_dim_built.
+constexpr bool paged_head_dim_built(int head_dim) {
+#if defined(ASTRAI_ONLY_HEAD_DIM)
+  return head_dim == ASTRAI_ONLY_HEAD_DIM;
+#else
+  (void)head_dim;
+  return true;
+#endif
+}
+
+// The row of a built head dim, or null.
+constexpr const HeadDimForms* paged_head_dim_forms(int head_dim) {
+  for (const HeadDimForms& forms : kPagedHeadDims)
+    if (forms.head_dim == head_dim && paged_head_dim_built(head_dim)) return &forms;
+  return nullptr;
+}
+
+// Calls f(std::integral_constant<int, D>{}) for the built head dim D == head_dim, with D a
+// compile-time constant (the template dispatch over the list); false when none matches.
+template <size_t I = 0, typename F>
+bool for_head_dim(int head_dim, F&& f) {
+  if constexpr (I == kNumPagedHeadDims) {
+    (void)head_dim;
+    (void)f;
+    return false;
+  } else {
+    constexpr int D = kPagedHeadDims[I].head_dim;
+    if constexpr (paged_head_dim_built(D)) {
+      if (head_dim == D) {
+        f(std::integral_constant<int, D>{});
+        return true;
+      }
+    }
+    return for_head_dim<I + 1>(head_dim, std::forward<F>(f));
+  }
+}
+
+// "64, 96, 128, 256": the built head dims, for messages and build_info.
+inline std::string paged_head_dims_text() {
+  std::string text;
+  for (const HeadDimForms& forms : kPagedHeadDims) {
+    if (!paged_head_dim_built(forms.head_dim)) continue;
+    if (!text.empty()) text += ", ";
+    text += std::to_string(forms.head_dim);
+  }
+  return text;
+}
+
+// "unsupported head_dim 80 (supported: 64, 96, 128, 256)"
+inline std::string unsupported_head_dim_message(int head_dim) {
+  return "unsupported head_dim " + std::to_string(head_dim) +
+         " (supported: " + paged_head_dims_text() + ")";
+}
+
+}  // namespace astrai::kernels

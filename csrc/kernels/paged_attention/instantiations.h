@@ -1,0 +1,56 @@
+// The kernels' argument block, and the launch templates that the generated instantiation files
+// define: one .cu per family, head dim, q type and kv kind (scripts/generate_instantiations.py
+// writes them from config.h), so the build compiles them in parallel and launch.cu's dispatch
+// compiles no kernel itself.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/launch_status.h"
+#include "params.h"
+#include "plan.h"
+
+namespace astrai::kernels {
+
+// Everything a kernel reads, flattened from the params and the plan.
+struct PagedKernelArgs {
+  PagedAttentionParams base;
+  const int32_t* query_start_loc;  // prefill: [B + 1]; null in decode (token b = sequence b)
+  int max_query_len;               // prefill: the grid's rows per sequence
+  int num_splits;                  // decode: kv tile sets per (sequence, kv head, row tile)
+  bool merge_in_cluster;           // decode: the 2 splits form a cluster and merge in it
+  int persistent_blocks;           // persistent decode: the grid
+  int* claim_counter;              // persistent decode: items claimed beyond the grid's first
+  bool early_start;                // persistent decode: a dependent launch of the counter's reset
+  float* partial_out;              // split decode: [num_splits, T, Hq, D] fp32
+  float* partial_lse;              // split decode: [num_splits, T, Hq] fp32 (log2 domain)
+  float scale_log2;                // scale * log2(e): softmax runs on exp2
+};
+
+// The current device's compute capability as major * 10 + minor (0 when it cannot be read); the
+// answer is kept per device.
+int current_device_arch();
+// sm_90 or newer: programmatic dependent launch, clusters.
+inline bool current_device_is_sm90_or_newer() { return current_device_arch() >= 90; }
+
+// Decode for head dim D, q type T, kv type KV, in the plan's form (decode_kernel.cuh; the merge
+// kernel follows a split decode). Not the persistent form:
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cudaStream_t stream);
+
+// The persistent decode (decode_persistent_kernel.cuh), on a grid of args.persistent_blocks.
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream);
+
+// Prefill on mma.sync (prefill_kernel.cuh), sm_80 and newer.
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream);
+
+// Prefill on wgmma (prefill_wgmma_kernel.cuh): sm_90 (exactly: sm_90a code) in a library built for
+// sm_90a.
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t stream);
+
+}  // namespace astrai::kernels

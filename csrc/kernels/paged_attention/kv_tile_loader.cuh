@@ -1,0 +1,229 @@
+// Copies K/V tiles of one (sequence, kv head) from the paged pool into the shared-memory stages of
+// the attention kernel, and waits for them:
+//
+//   lookup(tile)        read the page ids of the tile's rows into registers (tile t of a block
+//                       starts at kv position kv_begin + t * tile_step)
+//   fetch_ids(tile)     Traits::kPageIdRing instead: start copying the tile's page ids into its
+//                       slot of a ring in shared memory, landed with the next commit's step
+//   *_at(...)           fetch_ids and issue for another (sequence, kv head) and ring slot (the
+//                       persistent decode, paged_decode_persistent_kernel.cuh)
+//   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
+//   commit()            close the copies issued so far as one pipeline step
+//   wait()              block until the oldest pending tile is in shared memory, visible to
+//                       every thread
+//
+// A page id outside [0, num_pages) is never followed: its rows are zero-filled like rows past
+// kv_end, and the loader's `poisoned` flag is set (the kernel writes the rows of that sequence as
+// NaN, variant.cuh). So no block-table value makes a copy read outside the pools.
+//
+// 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
+// page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
+// launcher), the head and column part once. Where the threads do not divide into whole rows
+// (D = 96: 12 chunks a row), each copy takes its own (row, chunk) of the tile instead. Rows past
+// kv_end are zero-filled (their scores are masked, but P V multiplies them by 0 and 0 * NaN would
+// be NaN). Shared rows follow the traits' layout: Traits::kWgmmaTiles (swizzled_128b_tile_offset,
+// for wgmma), else Traits::kSwizzle and Traits::kRowStride (tile_offset); both in
+// device_primitives.cuh.
+//
+// Measured alternatives (lab/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
+// completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower; TMA
+// boxes of whole pages (128-byte swizzled, 2-8 KB, on an mbarrier per stage) ran decode 0.91-0.995x
+// as fast (H200, lab/NOTES.md).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/device_primitives.cuh"
+#include "params.h"
+
+namespace astrai::kernels {
+
+// What the loader needs to address one (sequence, kv head)'s rows of the pool.
+struct KVTileSource {
+  const char* k_head;  // k_cache + kv_head * k_stride_head, in bytes
+  const char* v_head;
+  int k_page_bytes, k_slot_bytes;  // byte strides; the launcher checks that they fit in int32
+  int v_page_bytes, v_slot_bytes;
+  const int32_t* block_table;  // this sequence's row of the block table
+  int log2_page_size;
+  int num_pages;         // page ids outside [0, num_pages) are not read
+  int kv_begin, kv_end;  // this block's kv range
+  int tile_step;         // kv positions from one of the block's tiles to the next
+  // lookup() reads page ids of positions below lookup_end only: kv_end, or for decode the block
+  // table's width in positions, so that the first lookups need not wait for seq_lens (page ids
+  // of positions past kv_end are read but never used).
+  int lookup_end;
+};
+
+// The pool addressing of one (sequence, kv head); the block's kv range is the caller's.
+template <typename T>
+__device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParams& p, int seq,
+                                                       int kv_head) {
+  KVTileSource source;
+  source.k_head =
+      static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(T);
+  source.v_head =
+      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(T);
+  source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(T));
+  source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(T));
+  source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(T));
+  source.v_slot_bytes = static_cast<int>(p.v_stride_slot * sizeof(T));
+  source.block_table = p.block_table + seq * p.block_table_stride;
+  source.log2_page_size = p.log2_page_size;
+  source.num_pages = p.num_pages;
+  return source;
+}
+
+template <typename Traits, typename T>
+struct KVTileLoader {
+  static constexpr int D = Traits::kHeadDim;
+  static constexpr int kChunks = Traits::kChunksPerRow;
+  static constexpr int kThreads = Traits::kThreads;
+  static constexpr int kTileN = Traits::kTileN;
+  static constexpr int kStages = Traits::kStages;
+  // Each thread copies kCopies 16-byte chunks of the tile: where the threads divide into whole
+  // rows, the same column of rows row0 + i * kRowsPerPass; otherwise chunk tid + i * kThreads of
+  // the tile's rows read one after another.
+  static constexpr int kCopies = kTileN * kChunks / kThreads;
+  static constexpr bool kOneColumn = kThreads % kChunks == 0;
+  static constexpr int kRowsPerPass = kOneColumn ? kThreads / kChunks : 0;
+  static_assert((kTileN * kChunks) % kThreads == 0, "tile copy must divide evenly");
+  static_assert(kOneColumn || !Traits::kPageIdRing, "page-id ring: one column per thread");
+
+  // Page ids: one tile ahead in registers (lookup), or from the ring (fetch_ids): kIdSlots tiles
+  // of kTileN ids, tile t in slot t % kIdSlots.
+  static constexpr bool kIdRing = Traits::kPageIdRing;
+  static constexpr int kIdSlots = Traits::kPageIdSlots;
+  static_assert(!kIdRing || (kIdSlots >= 2 * kStages && (kIdSlots & (kIdSlots - 1)) == 0),
+                "page-id ring: a power of two of at least 2 x kStages slots");
+  static_assert(!kIdRing || kTileN <= kThreads, "page-id ring: one thread per id");
+
+  KVTileSource src;
+  T* k_smem;
+  T* v_smem;
+  const char* k_thread;  // k_head + this thread's column (kOneColumn)
+  const char* v_thread;
+  int row0, chunk, thread;
+  int pages[kIdRing ? 1 : kCopies];
+  int32_t* id_ring;       // kIdRing: [kIdSlots][kTileN]
+  bool poisoned = false;  // a copy met a page id outside the pool
+
+  __device__ __forceinline__ KVTileLoader(const KVTileSource& source, T* k_stages, T* v_stages,
+                                          int tid, int32_t* page_id_ring = nullptr)
+      : src(source), k_smem(k_stages), v_smem(v_stages), id_ring(page_id_ring) {
+    row0 = kOneColumn ? tid / kChunks : 0;
+    chunk = kOneColumn ? tid % kChunks : 0;
+    thread = tid;
+    k_thread = thread_column(src.k_head);
+    v_thread = thread_column(src.v_head);
+  }
+
+  // Row and chunk of the tile that copy i of this thread takes.
+  __device__ __forceinline__ int copy_row(int i) const {
+    if constexpr (kOneColumn) return row0 + i * kRowsPerPass;
+    return (thread + i * kThreads) / kChunks;
+  }
+  __device__ __forceinline__ int copy_chunk(int i) const {
+    if constexpr (kOneColumn) return chunk;
+    return (thread + i * kThreads) % kChunks;
+  }
+
+  __device__ __forceinline__ void lookup(int tile) {
+    static_assert(!kIdRing, "lookup: page ids in registers");
+    const int pos0 = src.kv_begin + tile * src.tile_step;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int pos = pos0 + copy_row(i);
+      pages[i] = pos < src.lookup_end ? src.block_table[pos >> src.log2_page_size] : 0;
+    }
+  }
+
+  // kIdRing: one thread per page id of the tile (tiles start at multiples of kTileN, so a tile
+  // spans kTileN / page size pages, or one); ids past the block table's width read as 0.
+  __device__ __forceinline__ void fetch_ids(int tile) { fetch_ids_at(src.block_table, tile, tile); }
+  // The same for another sequence's row of the block table, into the ring slot of tile slot_tile
+  // (the persistent decode's stream of tiles over several items).
+  __device__ __forceinline__ void fetch_ids_at(const int32_t* block_table, int tile,
+                                               int slot_tile) {
+    static_assert(kIdRing, "fetch_ids: the page-id ring");
+    const int log2_page = src.log2_page_size;
+    const int count = max(1, kTileN >> log2_page);
+    if (thread < count) {
+      const int index = ((src.kv_begin + tile * src.tile_step) >> log2_page) + thread;
+      const bool valid = index < (src.lookup_end >> log2_page);
+      cp_async_4(shared_address(id_ring + (slot_tile & (kIdSlots - 1)) * kTileN + thread),
+                 block_table + (valid ? index : 0), valid);
+    }
+  }
+
+  // This thread's column of a (sequence, kv head)'s rows: head + its 16-byte chunk (the row
+  // start where copies take their own chunks).
+  __device__ __forceinline__ const char* thread_column(const char* head) const {
+    return head + chunk * 16;
+  }
+
+  __device__ __forceinline__ void issue(int tile, int stage) {
+    issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile, poisoned);
+  }
+  // The same for another (sequence, kv head): its columns (thread_column) and kv end, page ids
+  // from the ring slot of tile slot_tile.
+  // poison: the flag that a page id outside the pool sets (the persistent decode keeps one per
+  // item in flight; the other kernels the loader's own).
+  __device__ __forceinline__ void issue_at(const char* k_column, const char* v_column, int kv_end,
+                                           int tile, int stage, int slot_tile, bool& poison) {
+    const int pos0 = src.kv_begin + tile * src.tile_step;
+    const int page_mask = (1 << src.log2_page_size) - 1;
+    T* k_dst = k_smem + stage * Traits::kTileElements;
+    T* v_dst = v_smem + stage * Traits::kTileElements;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int row = copy_row(i);
+      const int pos = pos0 + row;
+      // Rows past kv_end read nothing (zero fill); page 0 keeps their address a plain pool
+      // address (their looked-up id may be anything). So do rows whose page id is not a page of
+      // the pool (unsigned compare: negative ids too).
+      bool valid = pos < kv_end;
+      int page = 0;
+      if (valid) {
+        if constexpr (kIdRing)
+          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + (row >> src.log2_page_size)];
+        else
+          page = pages[i];
+        if (static_cast<unsigned>(page) >= static_cast<unsigned>(src.num_pages)) {
+          poison = true;
+          valid = false;
+          page = 0;
+        }
+      }
+      const int slot = pos & page_mask;
+      const int column = copy_chunk(i);
+      const char* k_base = kOneColumn ? k_column : k_column + column * 16;
+      const char* v_base = kOneColumn ? v_column : v_column + column * 16;
+      const char* k_src =
+          k_base + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
+      const char* v_src =
+          v_base + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
+      int offset;
+      if constexpr (Traits::kWgmmaTiles)
+        offset = swizzled_128b_tile_offset<kTileN>(row, column);
+      else
+        offset = tile_offset<D, Traits::kSwizzle>(row, column);
+      cp_async_16(shared_address(k_dst + offset), k_src, valid);
+      cp_async_16(shared_address(v_dst + offset), v_src, valid);
+    }
+  }
+
+  __device__ __forceinline__ void commit() { cp_async_commit(); }
+
+  // Every step commits one group (empty or not), so "all but the newest kStages - 1 groups done"
+  // means this tile (and the query tile, committed with the first step) has landed. The barrier
+  // spans the loader's group of threads (Traits::kGroups).
+  __device__ __forceinline__ void wait() {
+    cp_async_wait<kStages - 1>();
+    group_barrier<Traits::kGroups, kThreads>();
+  }
+};
+
+}  // namespace astrai::kernels

@@ -1,0 +1,24 @@
+// Host entry points of the paged attention kernels. Torch-free: the binding
+// (csrc/backends/cuda_paged_attention.cu) goes tensors -> params -> plan (plan.h) -> launch, and
+// raises on a returned error.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../common/launch_status.h"
+#include "params.h"
+#include "plan.h"
+
+namespace astrai::kernels {
+
+// What the plans read of the current device and of this build, kept per device.
+DeviceFacts current_device_facts();
+
+// Checks the params against the plan, then launches it on `stream`. No host synchronisation and
+// no allocation: a decode can be captured in a CUDA graph and replayed with new seq_lens.
+LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePlan& plan,
+                                 cudaStream_t stream);
+LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const PrefillPlan& plan,
+                                  cudaStream_t stream);
+
+}  // namespace astrai::kernels

@@ -1,0 +1,296 @@
+// The plan of a paged attention call (plan.h): plain C++, unit-tested in tests/cpp/plan_test.cpp.
+#include "plan.h"
+
+#include <cstdlib>
+
+#include "config.h"
+#include "traits.h"
+
+namespace astrai::kernels {
+
+namespace {
+
+// What the decode forms of one head dim need of an SM (from traits.h): the rule's resident blocks
+// and each optional form's shared memory (0: the form is not compiled for this head dim).
+struct DecodeFootprint {
+  int blocks_per_sm = 0;
+  int pair_block_smem = 0;
+  int eight_warp_block_smem = 0;
+  int persistent_block_smem = 0;
+};
+
+DecodeFootprint decode_footprint(int head_dim) {
+  DecodeFootprint footprint;
+  for_head_dim(head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    constexpr const HeadDimForms& forms = *paged_head_dim_forms(D);
+    footprint.blocks_per_sm = DecodeTraits<D>::kBlocksPerSm;
+    if constexpr (forms.decode_block_pairs)
+      footprint.pair_block_smem = DecodePairTraits<D>::kBlockSmemBytes;
+    if constexpr (forms.decode_eight_warps)
+      footprint.eight_warp_block_smem = DecodeEightWarpTraits<D>::kBlockSmemBytes;
+    if constexpr (forms.decode_persistent)
+      footprint.persistent_block_smem =
+          PersistentDecodeLayout<DecodeEightWarpTraits<D>>::kSmemBytes;
+  });
+  return footprint;
+}
+
+bool fits_block(int smem_bytes, const DeviceFacts& device) {
+  return smem_bytes > 0 && device.max_smem_per_block >= smem_bytes;
+}
+
+// Block pairs take an SM as well as 2 single blocks do: the pair fits one block's shared memory,
+// and the SM holds half as many pairs as single blocks (else pairs would leave slots of the
+// one-wave split rule empty).
+bool pairs_fit(const DecodeFootprint& footprint, const DeviceFacts& device) {
+  if (!fits_block(footprint.pair_block_smem, device)) return false;
+  const int pairs_per_sm =
+      device.max_smem_per_sm / (footprint.pair_block_smem + kSharedMemoryReservedPerBlock);
+  return 2 * pairs_per_sm >= footprint.blocks_per_sm;
+}
+
+// Only pairs of splits merge in a cluster; larger clusters were measured slower (H200, bf16,
+// Hq=32 Hkv=8 D=128 page 16, lab/sweep_decode_splits.py, us in cluster vs with the merge
+// kernel): 2 splits 39.0 vs 40.4 at B=16 L=2048, 67.6 vs 69.6 at L=4096, 249 vs 251 at B=64
+// L=4096; 3, 4 or 8 splits were slower (B=16 L=2048: 47.6/51.9/63.0 vs 45.2/43.9/47.3; B=4 L=8192
+// with 8 splits: 56.6 vs 40.9), as larger clusters leave slots idle waiting for a whole cluster to
+// fit. So the decode kernel's epilogue is written for pairs (PagedAttentionTraits::kClusterSplits).
+//
+// Block pairs against clusters of 2 on the H200 (bf16, Hq=32, D=128, page 16, us per call, two
+// runs of lab/decode_pairs_ab.py, lab/results/decode_block_pairs_NVIDIA-H200_2026-12-03.md):
+// B=16 L=2048 37.7 / 36.9 vs 38.0 / 37.8, B=12 L=2048 31.2 / 30.9 vs 32.1 / 31.7, B=12 L=4096
+// 55.0 / 54.3 vs 55.6 / 55.2; from L=4096 at B=16 within 0.8% either way. The cluster's launch
+// and its barrier cost more than sharing one SM's issue slots: pairs first, where they run.
+bool cluster_runs(const DeviceFacts& device) { return device.arch >= 90; }
+
+size_t split_workspace_floats(const DecodeShape& shape, int num_splits) {
+  if (num_splits <= 1) return 0;
+  return static_cast<size_t>(num_splits) * shape.num_seqs * shape.num_q_heads *
+         (shape.head_dim + 1);
+}
+
+bool parse_int(std::string_view text, int low, int high, int* value) {
+  if (text.empty() || text.size() > 9) return false;
+  int result = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+    result = result * 10 + (c - '0');
+  }
+  if (result < low || result > high) return false;
+  *value = result;
+  return true;
+}
+
+}  // namespace
+
+const char* decode_form_name(DecodeForm form) {
+  switch (form) {
+    case DecodeForm::kAuto:
+      return "auto";
+    case DecodeForm::kSplit:
+      return "split";
+    case DecodeForm::kCluster:
+      return "cluster";
+    case DecodeForm::kBlockPairs:
+      return "block_pairs";
+    case DecodeForm::kEightWarps:
+      return "eight_warps";
+    case DecodeForm::kPersistent:
+      return "persistent";
+  }
+  return "?";
+}
+
+const char* prefill_kernel_name(PrefillKernel kernel) {
+  switch (kernel) {
+    case PrefillKernel::kAuto:
+      return "auto";
+    case PrefillKernel::kWgmma:
+      return "wgmma";
+    case PrefillKernel::kMmaSync:
+      return "mma_sync";
+  }
+  return "?";
+}
+
+std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
+  KernelTuning parsed;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find(',', start);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view item = text.substr(start, end - start);
+    start = end + 1;
+    if (item.empty()) continue;
+    const size_t equals = item.find('=');
+    const std::string_view key = item.substr(0, equals);
+    const std::string_view value =
+        equals == std::string_view::npos ? std::string_view() : item.substr(equals + 1);
+    bool known = true;
+    bool ok = true;
+    if (key == "decode_form") {
+      ok = false;
+      for (DecodeForm form :
+           {DecodeForm::kAuto, DecodeForm::kSplit, DecodeForm::kCluster, DecodeForm::kBlockPairs,
+            DecodeForm::kEightWarps, DecodeForm::kPersistent}) {
+        if (value == decode_form_name(form)) {
+          parsed.decode_form = form;
+          ok = true;
+        }
+      }
+    } else if (key == "decode_splits") {
+      ok = parse_int(value, 1, 65535, &parsed.decode_splits);
+    } else if (key == "persistent_blocks") {
+      ok = parse_int(value, 1, 1 << 20, &parsed.persistent_blocks);
+    } else if (key == "prefill_kernel") {
+      ok = false;
+      for (PrefillKernel kernel :
+           {PrefillKernel::kAuto, PrefillKernel::kWgmma, PrefillKernel::kMmaSync}) {
+        if (value == prefill_kernel_name(kernel)) {
+          parsed.prefill_kernel = kernel;
+          ok = true;
+        }
+      }
+    } else {
+      known = false;
+    }
+    if (!known || !ok) {
+      return "kernel tuning: cannot read '" + std::string(item) +
+             "' (expected comma-separated decode_form=auto|split|cluster|block_pairs|"
+             "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
+             "prefill_kernel=auto|wgmma|mma_sync)";
+    }
+  }
+  *tuning = parsed;
+  return "";
+}
+
+int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads) {
+  if (num_seqs <= 0 || num_kv_heads <= 0) return 0;
+  const int group = std::max(1, num_q_heads / num_kv_heads);
+  return static_cast<int64_t>(num_seqs) * num_kv_heads * ((group + 15) / 16);
+}
+
+int64_t decode_kv_positions(const DecodeShape& shape) {
+  int64_t positions = std::max<int64_t>(0, shape.block_table_positions);
+  if (shape.window_left >= 0) {
+    // A window of W + 1 positions starts anywhere in a tile: it touches at most one tile more.
+    constexpr int kTileN = DecodeTraits<128>::kTileN;
+    positions = std::min<int64_t>(positions, static_cast<int64_t>(shape.window_left) + kTileN);
+  }
+  return positions;
+}
+
+DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device,
+                             const KernelTuning& tuning) {
+  DecodePlan plan;
+  if (paged_head_dim_forms(shape.head_dim) == nullptr) {
+    plan.error = unsupported_head_dim_message(shape.head_dim);
+    return plan;
+  }
+  const HeadDimForms& forms = *paged_head_dim_forms(shape.head_dim);
+  const DecodeFootprint footprint = decode_footprint(shape.head_dim);
+  const int64_t items = decode_items(shape.num_seqs, shape.num_q_heads, shape.num_kv_heads);
+  const int64_t kv_positions = decode_kv_positions(shape);
+  const int num_sms = std::max(1, device.num_sms);
+
+  // The split rule (one wave of resident 4-warp blocks); a forced count replaces it. The tile
+  // size is the same at every head dim.
+  constexpr int kTileN = DecodeTraits<128>::kTileN;
+  const int64_t tiles = (kv_positions + kTileN - 1) / kTileN;
+  const int64_t slots = static_cast<int64_t>(num_sms) * std::max(1, footprint.blocks_per_sm);
+  const bool forced_splits = tuning.decode_splits > 0;
+  const int splits =
+      forced_splits ? tuning.decode_splits : decode_splits_filling_one_wave(items, slots, tiles);
+
+  const bool pairs_run = forms.decode_block_pairs && pairs_fit(footprint, device);
+  const bool eight_warps_run =
+      forms.decode_eight_warps && fits_block(footprint.eight_warp_block_smem, device);
+  const int persistent_grid = static_cast<int>(
+      std::min<int64_t>(items, tuning.persistent_blocks > 0 ? tuning.persistent_blocks : num_sms));
+  const bool persistent_runs = forms.decode_persistent &&
+                               fits_block(footprint.persistent_block_smem, device) &&
+                               persistent_grid > 0 && items <= INT32_MAX / 2;
+
+  auto choose = [&](DecodeForm form, int num_splits) {
+    plan.form = form;
+    plan.num_splits = num_splits;
+    plan.persistent_blocks = form == DecodeForm::kPersistent ? persistent_grid : 0;
+    plan.workspace_floats =
+        form == DecodeForm::kSplit ? split_workspace_floats(shape, num_splits) : 0;
+  };
+
+  // A forced form, where it runs.
+  switch (tuning.decode_form) {
+    case DecodeForm::kSplit:
+      choose(DecodeForm::kSplit, splits);
+      return plan;
+    case DecodeForm::kCluster:
+      if (cluster_runs(device)) {
+        choose(DecodeForm::kCluster, 2);
+        return plan;
+      }
+      break;
+    case DecodeForm::kBlockPairs:
+      if (pairs_run) {
+        choose(DecodeForm::kBlockPairs, 2);
+        return plan;
+      }
+      break;
+    case DecodeForm::kEightWarps:
+      if (eight_warps_run) {
+        choose(DecodeForm::kEightWarps, 1);
+        return plan;
+      }
+      break;
+    case DecodeForm::kPersistent:
+      if (persistent_runs) {
+        choose(DecodeForm::kPersistent, 1);
+        return plan;
+      }
+      break;
+    case DecodeForm::kAuto:
+      break;
+  }
+
+  // The automatic choice. 2 splits: block pairs where they fill the GPU, replaced by eight-warp
+  // blocks where those pay (unless the count was forced), else a cluster on sm_90, else the merge
+  // kernel. 1 split: the persistent decode where its rounds pay, else 4-warp blocks.
+  if (splits == 2 && pairs_run && decode_block_pairs_fill_gpu(items, num_sms)) {
+    if (!forced_splits && eight_warps_run && decode_eight_warp_blocks_pay(kv_positions))
+      choose(DecodeForm::kEightWarps, 1);
+    else
+      choose(DecodeForm::kBlockPairs, 2);
+  } else if (splits == 2 && cluster_runs(device)) {
+    choose(DecodeForm::kCluster, 2);
+  } else if (splits == 1 && persistent_runs && decode_persistent_blocks_pay(items, num_sms)) {
+    choose(DecodeForm::kPersistent, 1);
+  } else {
+    choose(DecodeForm::kSplit, splits);
+  }
+  return plan;
+}
+
+// Where the wgmma prefill beats the mma.sync one (H200, causal bf16, bench_attention.py --quick,
+// TFLOP/s wgmma vs mma.sync): at D = 128 on every row, 1.06-1.52x (B=2 S=4096 GQA 343 vs 300,
+// ragged batch 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not, even with 128-wide tiles
+// (B=4 S=4096: 235 vs 252 and 238 vs 260; 96-wide: 224 and 233): the softmax, the same per row,
+// weighs twice as much against half the multiply. So only D = 128 compiles it (config.h).
+PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device,
+                               const KernelTuning& tuning) {
+  PrefillPlan plan;
+  const HeadDimForms* forms = paged_head_dim_forms(head_dim);
+  if (forms == nullptr) {
+    plan.error = unsupported_head_dim_message(head_dim);
+    return plan;
+  }
+  // sm_90a code runs on sm_90 only.
+  const bool wgmma_runs = forms->prefill_wgmma && device.has_sm90a_code && device.arch == 90;
+  plan.kernel = wgmma_runs && tuning.prefill_kernel != PrefillKernel::kMmaSync
+                    ? PrefillKernel::kWgmma
+                    : PrefillKernel::kMmaSync;
+  return plan;
+}
+
+}  // namespace astrai::kernels

@@ -1,0 +1,192 @@
+// The plan of a paged attention call: which kernel form runs, with how many splits, on what grid.
+// Torch-free and CUDA-free, so that it is unit-tested on any machine (tests/cpp/plan_test.cpp);
+// the binding goes tensors -> params -> plan -> launch (csrc/backends/cuda_paged_attention.cu).
+//
+// Decode forms (DecodeForm): 4-warp blocks, one or more splits of each (sequence, kv head, row
+// tile)'s kv tiles, merged by the merge kernel (kSplit) or, 2 splits, in a thread-block cluster
+// (kCluster, sm_90) or in one block of two groups of warps (kBlockPairs); one split as one block of
+// 8 warps per SM (kEightWarps); or one block per SM taking the items in turn (kPersistent).
+//
+// How many splits: shapes only, never seq_lens' values: one launch configuration (and one captured
+// CUDA graph) serves every length up to the block table's width. The rule: as many splits as fit
+// the whole grid into one wave of resident blocks, at least 1, at most one per kv tile and 256. A
+// second wave costs more than the unused slots of one (its blocks start cold, and every extra split
+// adds a partial state to merge): measured on the H200 (132 SMs x 2 blocks, bf16, Hq=32, Hkv=8,
+// D=128, page 16, lab/sweep_decode_splits.py, us; the earlier rule, waves x (tiles per split + 1),
+// chose more splits and a merge kernel wherever a few waves of short splits looked cheaper):
+//
+//   B, L      pairs  this rule           earlier rule  other counts
+//   12, 2048     96  2 (cluster): 32.1   8: 39.0       1: 39.2
+//   12, 4096     96  2 (cluster): 56.3   8: 61.4       4: 62.9
+//   24, 2048    192  1: 54.8             4: 62.0       2 (cluster): 61.0
+//   8, 4096      64  4: 41.1             4             3: 41.6, 2 (cluster): 43.1
+//   10, 8192     80  3: 87.5             3             6: 89.6, 2 (cluster): 92.3
+//   16, 2048    128  2 (cluster): 38.5   2             1: 41.4, 4: 44.6
+//
+// pairs = (sequence, kv head) pairs. From B = 33 up (Hkv = 8) one split, as before (B=64 L=4096,
+// an earlier sweep: 1 split 243.6 us, 2 splits 249.1).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace astrai::kernels {
+
+// ---- The plan's inputs ------------------------------------------------------------------------
+
+// What a plan reads of the device and the build, once per device (launch.cu fills it).
+struct DeviceFacts {
+  int arch = 0;                 // compute capability, major * 10 + minor
+  int num_sms = 0;              // multiprocessors
+  int max_smem_per_block = 0;   // bytes a block may opt in to
+  int max_smem_per_sm = 0;      // bytes
+  bool has_sm90a_code = false;  // the library was built for sm_90a (wgmma)
+};
+
+enum class DecodeForm : int { kAuto, kSplit, kCluster, kBlockPairs, kEightWarps, kPersistent };
+enum class PrefillKernel : int { kAuto, kWgmma, kMmaSync };
+
+// Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
+// ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
+// comma-separated key=value pairs ("" = automatic):
+//   decode_form=auto|split|cluster|block_pairs|eight_warps|persistent  a preference: where the form
+//                                     cannot run (head dim, GPU), the automatic choice runs
+//   decode_splits=N                  N splits (1..65535) instead of the rule's (plan below); with
+//                                    the automatic form, 2 splits merge as the rule would merge 2
+//   persistent_blocks=N              the persistent decode's grid (at most the items), for tests
+//                                    that give each block several items
+//   prefill_kernel=auto|wgmma|mma_sync  wgmma where it runs, or never
+struct KernelTuning {
+  DecodeForm decode_form = DecodeForm::kAuto;
+  int decode_splits = 0;      // 0: the rule's
+  int persistent_blocks = 0;  // 0: one per SM
+  PrefillKernel prefill_kernel = PrefillKernel::kAuto;
+};
+// "" on success; otherwise what is wrong (and *tuning is left unchanged).
+std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
+
+// The shape of a decode call (shapes and host ints only, never seq_lens' values: one plan and one
+// captured CUDA graph serve every length up to the block table's width).
+struct DecodeShape {
+  int num_seqs = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t block_table_positions = 0;  // block table width * page size
+  int window_left = -1;               // the call's window (-1: none): bounds the kv range read
+};
+
+struct DecodePlan {
+  DecodeForm form = DecodeForm::kSplit;  // never kAuto
+  int num_splits = 1;
+  int persistent_blocks = 0;    // kPersistent: the grid
+  size_t workspace_floats = 0;  // kSplit with num_splits > 1: partial outputs and their lse
+  std::string error;            // set when no form can run the call here
+};
+
+struct PrefillPlan {
+  PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
+  std::string error;
+};
+
+// Decode items: (sequence, kv head, row tile of 16 query rows) triples.
+int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads);
+// The kv positions a decode row may read: the block table's, or the window's (rounded out to
+// whole tiles).
+int64_t decode_kv_positions(const DecodeShape& shape);
+
+DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device,
+                             const KernelTuning& tuning);
+PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning);
+
+const char* decode_form_name(DecodeForm form);
+const char* prefill_kernel_name(PrefillKernel kernel);
+
+// ---- The rules, with their measurements --------------------------------------------------------
+
+// blocks_per_split: the decode blocks that one split of every (sequence, kv head, row tile)
+// takes; resident_slots: decode blocks the GPU runs at once (SMs x blocks per SM); max_tiles: kv
+// tiles of the longest sequence the block table can hold.
+constexpr int decode_splits_filling_one_wave(int64_t blocks_per_split, int64_t resident_slots,
+                                             int64_t max_tiles) {
+  constexpr int64_t kMaxSplits = 256;
+  if (blocks_per_split <= 0 || resident_slots <= 0 || max_tiles <= 1) return 1;
+  const int64_t fitting = resident_slots / blocks_per_split;
+  return static_cast<int>(std::clamp<int64_t>(std::min(fitting, max_tiles), 1, kMaxSplits));
+}
+
+// Whether block pairs (the 2 splits of a (sequence, kv head, row tile) as one block on one SM, see
+// PagedAttentionTraits::kGroups) cover more than 2/3 of the SMs. Where they do not, 2 single blocks
+// per pair spread over twice as many SMs stream faster (H200, B=8 L=32768 with 2 splits forced, 64
+// pair blocks: 350 us as pairs, 278 us as 2 blocks and the merge kernel; one SM reads at most ~48
+// GB/s). The one-wave rule above gives 2 splits only to grids of more than a third of the slots,
+// which with 2 slots per SM is more than 2/3 of the SMs: always covered; forced counts need not be.
+constexpr bool decode_block_pairs_fill_gpu(int64_t pair_blocks, int64_t num_sms) {
+  return pair_blocks > 0 && num_sms > 0 && 3 * pair_blocks > 2 * num_sms;
+}
+
+// Whether one split as eight-warp blocks (one block of 8 warps per (sequence, kv head, row tile),
+// one per SM, page ids from a ring in shared memory; PagedAttentionTraits' kWarps) replaces the 2
+// splits of block pairs, on the same grid. max_kv_len: the block table's width in positions. H200,
+// bf16, Hq=32, D=128, shuffled pages, kernel us (profiler) eight warps / block pairs, one column
+// per process of lab/decode_pairs_ab.py, the last one this tree
+// (lab/results/decode_eight_warp_blocks_NVIDIA-H200_2026-12-03.md):
+//
+//   B, Hkv, L      page 16                                           page 1       page 256
+//   16, 8, 2048    33.6/34.2   34.1/34.6   34.7/35.0   33.3/34.1     34.0/34.5    33.3/34.1
+//   16, 8, 4096    63.9/65.0   62.7/63.5   63.7/64.6   62.1/63.4
+//   16, 8, 8192    122.9/124.8 122.3/122.8 123.1/124.8 122.4/124.1   125.4/125.9  122.0/122.2
+//   16, 8, 16384   241.6/242.8 240.9/242.5
+//   16, 8, 32768   481.7/482.1 468.8/466.7 482.3/477.5 478.0/477.6   489.6/488.1  477.7/480.3
+//   12, 8, 4096    49.9/50.9   48.7/50.0
+//   4, 32, 4096    63.8/64.0   62.3/62.6   62.7/62.0
+//   32, 4, 2048    34.9/34.5
+//
+// 0.5-2.6% faster up to 16384 positions (Hkv = 32 and group 8 within +-1.2%); at 32768 level on
+// average (-1.0% to +0.5%), where the block pairs stay.
+constexpr bool decode_eight_warp_blocks_pay(int64_t max_kv_len) {
+  return max_kv_len > 0 && max_kv_len <= 16384;
+}
+
+// Whether the persistent eight-warp decode (one block per SM taking the (sequence, kv head, row
+// tile) items in turn, claimed from a counter, paged_decode_persistent_kernel.cuh) replaces one
+// split of 4-warp blocks (two per SM, handed out by the hardware). With n = ceil(items / SMs)
+// rounds of one item per SM: at 3 and from 5 rounds up. At odd n the 4-warp grid's last wave
+// leaves half of its slots empty and the persistent decode is 4-18% faster on uniform lengths; at
+// 6 and 8 rounds the two are level on uniform lengths (within 0.5%); on ragged lengths (random
+// from 1 to 2 L - 1) the persistent decode is 3-11% faster from B=32 up, claiming as it goes
+// where the hardware's blocks wait for a slot. At 2 and 4 rounds the 4-warp blocks are faster on
+// uniform lengths (B=24: 95.9 vs 108.4 us, B=56: 213.5 vs 227.7). H200 (132 SMs), bf16, Hq=32,
+// D=128, page 16, shuffled pages, kernel us (profiler; the persistent column includes the 0.7-0.8
+// us fill of its counter) persistent / 4-warp / SDPA cuDNN, lab/decode_pairs_ab.py
+// (lab/results/decode_persistent_NVIDIA-H200_2026-12-03.md):
+//
+//   B, L, Hkv      items  n  uniform                  ragged (persistent / 4-warp)
+//   24, 4096, 8     192   2  108.4 / 95.9 / 96.4      161.1 / 158.5
+//   32, 4096, 8     256   2  122.8 / 120.4 / 120.8    138.3 / 155.0
+//   40, 4096, 8     320   3  167.5 / 195.1 / 168.9    216.7 / 223.8
+//   48, 4096, 8     384   3  182.8 / 198.3 / 193.6    211.8 / 229.8
+//   48, 2048, 8     384   3   92.7 / 102.2 / 96.7      64.0 / 63.3 (L=1024)
+//   12, 4096, 32    384   3  181.4 / 197.3 / 187.4
+//   56, 4096, 8     448   4  227.7 / 213.5 / 212.7
+//   64, 4096, 8     512   4  237.9 / 238.5 / 237.4    281.0 / 296.1
+//   64, 8192, 8     512   4  471.9 / 473.7 / 470.3
+//   80, 4096, 8     640   5  297.8 / 316.1 / 306.6    339.4 / 360.0
+//   20, 4096, 32    640   5  297.6 / 315.9 / 306.0
+//   96, 4096, 8     768   6  355.4 / 354.8 / 352.6    405.1 / 428.4
+//   112, 4096, 8    896   7  413.5 / 436.2 / 430.7    417.9 / 443.9
+//   128, 2048, 8   1024   8  239.6 / 240.4 / 237.6    252.2 / 259.7
+//   32, 4096, 32   1024   8  470.4 / 468.7 / 464.6
+//
+// At 4 rounds B=64 is level and gains on ragged lengths, but B=56 loses: 4 rounds stay on 4-warp
+// blocks, as 2 do.
+constexpr bool decode_persistent_blocks_pay(int64_t num_items, int64_t num_sms) {
+  if (num_sms <= 0 || num_items <= num_sms) return false;
+  const int64_t rounds = (num_items + num_sms - 1) / num_sms;
+  return rounds == 3 || rounds >= 5;
+}
+
+}  // namespace astrai::kernels

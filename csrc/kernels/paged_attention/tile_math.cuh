@@ -1,0 +1,272 @@
+// A warp's work on one K/V tile in shared memory, and the decode's merge of its warps' softmax
+// states: shared by the mma.sync kernels (decode_kernel.cuh, decode_persistent_kernel.cuh,
+// prefill_kernel.cuh).
+//
+// attend_kv_tile: S = Q K^T for the warp's rows x Traits::kWarpTileN kv positions of the tile
+// (starting at warp_col0 inside it), the score transform (variant.cuh), the caller's mask, the
+// online softmax step and O += P V, on mma.sync.m16n8k16 with fp32 accumulators
+// (FlashAttention-2).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../common/device_primitives.cuh"
+#include "../common/online_softmax.cuh"
+#include "params.h"
+#include "variant.cuh"
+
+namespace astrai::kernels {
+
+// The running softmax state of a warp's rows: O (unnormalized), the running max of the scores
+// (unscaled when the scale is folded) and this lane's running sum of exp2.
+template <typename Traits>
+struct WarpSoftmaxState {
+  static constexpr int kMRep = Traits::kRowBlocksPerWarp;
+  float o[kMRep][Traits::kHeadDim / 8][4];
+  float row_max[kMRep][2];
+  float row_sum[kMRep][2];
+
+  __device__ __forceinline__ void reset() {
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi) {
+#pragma unroll
+      for (int dt = 0; dt < Traits::kHeadDim / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mi][dt][e] = 0.f;
+      row_max[mi][0] = row_max[mi][1] = -INFINITY;
+      row_sum[mi][0] = row_sum[mi][1] = 0.f;
+    }
+  }
+};
+
+// q_fragment(mi, ks, a) fills the A fragment of row block mi, k-step ks; mask_scores(s) sets the
+// scores the rows may not see to -inf, called only where needs_mask() says the tile has any
+// (asked after S, which keeps its operands out of registers during the multiplies). The scores
+// are transformed (scale, softcap: variant.cuh's ScoreTransform) before the mask.
+template <typename Traits, typename T, typename QFragment, typename NeedsMask, typename MaskScores>
+__device__ __forceinline__ void attend_kv_tile(const T* k_tile, const T* v_tile, int warp_col0,
+                                               int lane, QFragment&& q_fragment,
+                                               NeedsMask&& needs_mask, MaskScores&& mask_scores,
+                                               const ScoreTransform& transform,
+                                               WarpSoftmaxState<Traits>& state) {
+  constexpr int D = Traits::kHeadDim;
+  constexpr int kMRep = Traits::kRowBlocksPerWarp;
+  constexpr int kWarpTileN = Traits::kWarpTileN;
+
+  float s_acc[kMRep][kWarpTileN / 8][4];
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < kWarpTileN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] = 0.f;
+
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t a[kMRep][4];
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi) q_fragment(mi, ks, a[mi]);
+#pragma unroll
+    for (int nj = 0; nj < kWarpTileN / 16; ++nj) {
+      uint32_t b[4];
+      const int r = warp_col0 + nj * 16 + (lane % 8) + (lane / 16) * 8;
+      const int ch = ks * 2 + (lane / 8) % 2;
+      ldmatrix_x4(shared_address(k_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
+#pragma unroll
+      for (int mi = 0; mi < kMRep; ++mi) {
+        mma_m16n8k16<T>(s_acc[mi][2 * nj], a[mi], b[0], b[1]);
+        mma_m16n8k16<T>(s_acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+
+  transform_scores<kMRep * kWarpTileN / 2>(transform, [&](int i) -> float& {
+    return s_acc[i / (kWarpTileN / 2)][(i / 4) % (kWarpTileN / 8)][i % 4];
+  });
+  if (needs_mask()) mask_scores(s_acc);
+
+  // Online softmax (online_softmax.cuh). O is rescaled only when some lane's alpha differs from
+  // 1; skipping a multiply by exactly 1 changes nothing.
+  float alpha[kMRep][2];
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      alpha[mi][half] = online_softmax_row<kWarpTileN / 8>(
+          [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; },
+          state.row_max[mi][half], state.row_sum[mi][half], transform.exp_scale);
+    }
+  }
+  bool rescale = false;
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi) rescale |= alpha[mi][0] != 1.f || alpha[mi][1] != 1.f;
+  if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) state.o[mi][dt][e] *= alpha[mi][e / 2];
+  }
+
+  // O += P V: the S accumulators of two adjacent n8 tiles are the A fragment of one k16 step.
+#pragma unroll
+  for (int kk = 0; kk < kWarpTileN / 16; ++kk) {
+    uint32_t a[kMRep][4];
+#pragma unroll
+    for (int mi = 0; mi < kMRep; ++mi) {
+      a[mi][0] = pack_pair<T>(s_acc[mi][2 * kk][0], s_acc[mi][2 * kk][1]);
+      a[mi][1] = pack_pair<T>(s_acc[mi][2 * kk][2], s_acc[mi][2 * kk][3]);
+      a[mi][2] = pack_pair<T>(s_acc[mi][2 * kk + 1][0], s_acc[mi][2 * kk + 1][1]);
+      a[mi][3] = pack_pair<T>(s_acc[mi][2 * kk + 1][2], s_acc[mi][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dj = 0; dj < D / 16; ++dj) {
+      uint32_t b[4];
+      const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+      const int ch = dj * 2 + lane / 16;
+      ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D, Traits::kSwizzle>(r, ch)), b);
+#pragma unroll
+      for (int mi = 0; mi < kMRep; ++mi) {
+        mma_m16n8k16<T>(state.o[mi][2 * dj], a[mi], b[0], b[1]);
+        mma_m16n8k16<T>(state.o[mi][2 * dj + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Sets the scores of kv positions that the warp's rows may not see to -inf (row_visibility in
+// variant.cuh): rows from first_row (the warp's first), kv positions from first_col (the warp's
+// first of the tile).
+template <typename Traits, typename Scores>
+__device__ __forceinline__ void mask_invisible_scores(Scores& s_acc, const PagedAttentionParams& p,
+                                                      const SequenceRows& seq, const KvRange& range,
+                                                      int lane, int first_row, int first_col) {
+  const int lane_row = lane / 4, lane_col = (lane % 4) * 2;
+#pragma unroll
+  for (int mi = 0; mi < Traits::kRowBlocksPerWarp; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const RowVisibility seen =
+          row_visibility(p, seq, range, first_row + mi * 16 + lane_row + half * 8);
+#pragma unroll
+      for (int nt = 0; nt < Traits::kWarpTileN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (!visible(seen, first_col + nt * 8 + lane_col + e))
+            s_acc[mi][nt][half * 2 + e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+// Full row sums (the 4 lanes of a quad hold disjoint columns of the same row) and row maxima in
+// the log2 domain (the merges and the LSE use it), once the last tile is done.
+template <typename Traits>
+__device__ __forceinline__ void finish_row_states(WarpSoftmaxState<Traits>& state,
+                                                  float exp_scale) {
+  constexpr int kMRep = Traits::kRowBlocksPerWarp;
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi) {
+    state.row_max[mi][0] *= exp_scale;
+    state.row_max[mi][1] *= exp_scale;
+  }
+#pragma unroll
+  for (int mi = 0; mi < kMRep; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float s = state.row_sum[mi][half];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      state.row_sum[mi][half] = s;
+    }
+}
+
+// Decode: the softmax states of 4 columns of a row (max in the log2 domain, sum, unnormalized
+// output), merged over the block's warps: the kItems (row, float4 column) items of this thread.
+// Item i of thread tid is item tid + i * kThreads of the 16 x D / 4 grid, row-major, so where the
+// threads divide into whole rows a thread keeps one column (column(tid, i) the same for every i).
+template <typename Traits>
+struct MergedRows {
+  static constexpr int kColumns = Traits::kHeadDim / 4;
+  static constexpr int kItems = 16 * kColumns / Traits::kThreads;
+  static_assert((16 * kColumns) % Traits::kThreads == 0, "merge items");
+  float m[kItems], l[kItems];
+  float4 o[kItems];
+  __device__ __forceinline__ static int row(int tid, int i) {
+    return (tid + i * Traits::kThreads) / kColumns;
+  }
+  __device__ __forceinline__ static int column(int tid, int i) {
+    return (tid + i * Traits::kThreads) % kColumns;
+  }
+};
+
+// Decode: merges the states of the warps (each saw kWarpTileN positions of every tile) through
+// `merge` in shared memory (Traits::kMergeBytes); thread tid takes the items of MergedRows. Rows at
+// or past valid_rows (padding a GQA group to 16) are neither written nor read. sync() is the
+// group's barrier, between the writes and the reads; the caller makes sure no thread still reads
+// what the region holds before (it may alias the K/V stages).
+template <typename Traits, typename Sync>
+__device__ __forceinline__ MergedRows<Traits> merge_warp_states(
+    unsigned char* merge, const WarpSoftmaxState<Traits>& state, int tid, int valid_rows,
+    Sync&& sync) {
+  constexpr int D = Traits::kHeadDim;
+  constexpr float kNegInf = -INFINITY;
+  const int warp = tid / 32, lane = tid % 32;
+  const int lane_row = lane / 4, lane_col = (lane % 4) * 2;
+  float* merge_o = reinterpret_cast<float*>(merge);  // [kWarps][16][kMergeRowStride]
+  float* merge_m = merge_o + Traits::kWarps * 16 * Traits::kMergeRowStride;  // [kWarps][16]
+  float* merge_l = merge_m + Traits::kWarps * 16;                            // [kWarps][16]
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane_row + half * 8;
+    if (r >= valid_rows) continue;
+    float* dst = merge_o + (warp * 16 + r) * Traits::kMergeRowStride + lane_col;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<float2*>(dst + dt * 8) =
+          make_float2(state.o[0][dt][half * 2], state.o[0][dt][half * 2 + 1]);
+    if (lane % 4 == 0) {
+      merge_m[warp * 16 + r] = state.row_max[0][half];
+      merge_l[warp * 16 + r] = state.row_sum[0][half];
+    }
+  }
+  sync();
+
+  MergedRows<Traits> merged;
+#pragma unroll
+  for (int i = 0; i < MergedRows<Traits>::kItems; ++i) {
+    const int r = MergedRows<Traits>::row(tid, i);
+    const int c = MergedRows<Traits>::column(tid, i) * 4;
+    const bool valid = r < valid_rows;
+    float m = kNegInf;
+#pragma unroll
+    for (int w = 0; w < Traits::kWarps; ++w)
+      if (valid) m = fmaxf(m, merge_m[w * 16 + r]);
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != kNegInf) {
+#pragma unroll
+      for (int w = 0; w < Traits::kWarps; ++w) {
+        const float weight = exp2f(merge_m[w * 16 + r] - m);
+        l += merge_l[w * 16 + r] * weight;
+        const float4 o =
+            *reinterpret_cast<const float4*>(merge_o + (w * 16 + r) * Traits::kMergeRowStride + c);
+        acc.x += o.x * weight;
+        acc.y += o.y * weight;
+        acc.z += o.z * weight;
+        acc.w += o.w * weight;
+      }
+    }
+    merged.m[i] = m;
+    merged.l[i] = l;
+    merged.o[i] = acc;
+  }
+  return merged;
+}
+
+}  // namespace astrai::kernels

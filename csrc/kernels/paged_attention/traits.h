@@ -1,0 +1,202 @@
+// Tile shapes of the paged attention kernels, one place for every choice. Plain C++: the plan
+// (plan.cpp) counts residency and shared memory from these on any machine.
+//
+// Both kernels (decode_kernel.cuh, prefill_kernel.cuh) run the same warp routine (FlashAttention-2:
+// S = Q K^T and O += P V on mma.sync.m16n8k16 with fp32 accumulators, online softmax in registers)
+// over query "rows" that pack (new token, q head of the GQA group) pairs: row r of kv head h is
+// token r / G, q head h * G + r % G. Packing the group into rows makes every K/V tile loaded into
+// shared memory serve all G q heads that read it.
+//
+// Decode (one token per sequence): a block owns 16 rows (one GQA group, padded to 16; groups larger
+// than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their
+// softmax states through shared memory at the end. The kernel is memory-bound, so the rows padding
+// a group to 16 cost nothing; what matters is how the K/V stream is requested: enough bytes in
+// flight per SM (a group has up to kStages tiles requested; one block of 4 warps per SM, 64 KB,
+// streams 8-12% slower than two groups, 128 KB), the pipeline depth (see kStages), and rows that
+// land aligned: decode tiles are swizzled, not padded (see tile_offset in
+// common/device_primitives.cuh; padded 272-byte rows read the stream 7-8% slower, and swizzling
+// took B=64 L=4096 from 3.96 to 4.27 TB/s, H200, lab/NOTES.md). Two splits of a (sequence, kv head)
+// can share one block as two such groups of warps (kGroups below), merged in its shared memory.
+// SDPA cuDNN's shape (128-position tiles, one block of 4 warps per SM, no split at B >= 16)
+// measured 0.92-0.985x of these 64-position tiles in this kernel
+// (lab/NOTES.md). One group of 8 warps over
+// 128-position tiles (kWarps below), one block per SM with the page ids two tiles ahead in shared
+// memory, is what runs at one wave in place of the block pairs up to 16384 positions
+// (plan.h has the rule and its measurements).
+//
+// Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
+// the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
+// fragment loaded by ldmatrix feeds two mma), which is the limit at one block of 16.
+// D = 128 uses 128x64 tiles: 68 bytes of spills at the 255-register cap (2 blocks/SM), measured
+// faster than 128x32 without spills (H200, causal bf16, benchmarks/bench_attention.py: B=2 S=4096
+// GQA 272 -> 281 TFLOP/s, ragged 258 -> 272; with the folded scale of
+// tile_math.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
+// bytes), an XOR swizzle instead of row padding (one address register per fragment, spills;
+// measured again with the decode swizzle: 298 -> 295 TFLOP/s at B=2 S=4096, 96 bytes of spills).
+// On sm_90 prefill at D = 128 runs prefill_wgmma_kernel.cuh instead (Hopper's wgmma,
+// operands straight from shared memory); these traits are its fallback and the sm_80 kernel.
+//
+// Head dims whose rows are not a power of two of 16-byte chunks (D = 96: 12) keep padded rows in
+// decode too (the swizzle permutes 8 chunks), and their copies and merges index (row, chunk)
+// pairs flatly (kv_tile_loader.cuh, tile_math.cuh).
+#pragma once
+
+namespace astrai::kernels {
+
+constexpr bool is_power_of_two(int value) { return value > 0 && (value & (value - 1)) == 0; }
+
+// Shared memory of an H100/H200 SM, the most one block may take, and what the driver keeps per
+// resident block: the figures the residency below is computed from.
+constexpr int kSmSharedMemoryBytes = 228 * 1024;
+constexpr int kBlockSharedMemoryLimitBytes = 227 * 1024;
+constexpr int kSharedMemoryReservedPerBlock = 1024;
+
+// kWarps_: warps of a group. 4, except the decode's eight-warp blocks (D = 128): one group of 8
+// warps, 16 kv positions of every tile each, as every decode group splits its tiles, so its tiles
+// are 128 positions; one block per SM, page ids from a ring in shared memory (kPageIdRing).
+template <int kHeadDim_, bool kDecode_, int kGroups_ = 1, int kWarps_ = 4>
+struct PagedAttentionTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kDecode = kDecode_;
+  static constexpr int kWarps = kWarps_;
+  static_assert(kWarps == 4 || (kWarps == 8 && kDecode && kGroups_ == 1),
+                "4 warps, or 8 in decode");
+  static constexpr int kThreads = kWarps * 32;  // one group's (see kGroups)
+  static constexpr int kElementBytes = 2;       // q, K, V and output: 16-bit floats
+  static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;  // 16-byte chunks per row
+
+  // Decode: 16 rows per block. Prefill: 2 row blocks of 16 per warp up to D = 128 (registers:
+  // O 2x16xD fp32 + S 2x16x64 fp32 fit in 255), 1 at D = 256.
+  static constexpr int kRowBlocksPerWarp = kDecode ? 1 : (kHeadDim <= 128 ? 2 : 1);
+  static constexpr int kBlockRows = kDecode ? 16 : kWarps * 16 * kRowBlocksPerWarp;
+
+  // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each).
+  static constexpr int kTileN = kDecode ? 16 * kWarps : (kHeadDim <= 128 ? 64 : 32);
+  static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
+
+  // Pipeline depth: 2 stages (the tile being waited for and the next one). Decode has room for 3
+  // or 4, and they were slower: at D = 128 3 stages ran 0.5-2.9% slower (H200, bf16, block pairs
+  // and single blocks alike), not by bytes in flight alone, as 3 blocks of 2 stages per SM
+  // request as many bytes as 2 blocks of 3 and were as fast as 2 blocks of 2
+  // (lab/NOTES.md); at D = 64 4 stages ran up to 3.5%
+  // slower than 2 at 3 blocks per SM, and 3 stages up to 2.5% slower at 4 blocks per SM
+  // (lab/NOTES.md). Prefill is compute-bound: double
+  // buffering.
+  static constexpr int kStages = 2;
+
+  // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
+  static constexpr bool kQInRegisters = kDecode && kHeadDim <= 128;
+
+  // Shared-memory row layout (see tile_offset in common/device_primitives.cuh): decode streams K/V
+  // and reads faster into swizzled, unpadded rows; prefill keeps padded rows (fewer registers), as
+  // do rows the swizzle cannot permute (not a power of two of at least 8 chunks).
+  static constexpr bool kSwizzle = kDecode && is_power_of_two(kChunksPerRow) && kChunksPerRow >= 8;
+  static constexpr int kRowStride = kSwizzle ? kHeadDim : kHeadDim + 8;
+  static constexpr int kQSmemElements = kBlockRows * kRowStride;
+  static constexpr bool kWgmmaTiles = false;  // K/V tile layout (paged_kv_tile_loader.cuh)
+  static constexpr int kTileElements = kTileN * kRowStride;
+  static constexpr int kKVSmemElements = kStages * kTileElements;  // per K and per V
+  // Decode splits merged in a thread-block cluster: 2 (plan.h says why). The
+  // epilogue's incoming region (at the end of shared memory, outside the K/V stages, which the
+  // peer may still be reading) receives the peer's states of this block's half of the columns:
+  // 16 rows x D / 2 floats of output, then 16 maxima and 16 sums.
+  static constexpr int kClusterSplits = 2;
+  static constexpr int kIncomingBytes = kDecode ? (16 * kHeadDim / kClusterSplits + 32) * 4 : 0;
+  // Page ids from a ring in shared memory instead of registers (paged_kv_tile_loader.cuh): the
+  // eight-warp decode block. A single group per SM waits for its page ids where two groups hide
+  // that wait behind each other (the ring took one group of 4 warps 4.4-5.9% faster,
+  // lab/NOTES.md). The ring holds kPageIdSlots tiles
+  // of kTileN ids (one per row, at page size 1), after the V stages.
+  static constexpr bool kPageIdRing = kDecode && kWarps == 8;
+  static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
+  static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
+  static constexpr int kSmemBytes =
+      (kQSmemElements + 2 * kKVSmemElements) * kElementBytes + kPageIdBytes + kIncomingBytes;
+
+  // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads
+  // rows so the float2 stores of a warp hit distinct banks) plus m and l per row.
+  static constexpr int kMergeRowStride = kHeadDim + 4;
+  static constexpr int kMergeBytes = kWarps * 16 * (kMergeRowStride + 2) * 4;
+  static_assert(!kDecode || kMergeBytes <= 2 * kKVSmemElements * kElementBytes,
+                "merge buffer too large");
+
+  // Resident decode blocks per SM (single blocks), which the split rule and the block pairs count
+  // on: 4 at D = 64, 2 at D = 96 and 128, 1 at D = 256; 1 eight-warp block. A block reserves just
+  // over 1 / (n + 1) of an H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so
+  // that no more than n fit: at D = 128 3 blocks of 2 stages measured the same as 2 within noise
+  // (same results file), and at D = 64 4 blocks fill one wave where 3 did not (B=64 Hkv=8: 512
+  // blocks, 528 slots; 1.2x).
+  static constexpr int kDecodeBlocksPerSm =
+      kWarps == 8 ? 1 : (kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 2 : 1));
+  static constexpr int kShareOfOneBlockMoreBytes =
+      kSmSharedMemoryBytes / (kDecodeBlocksPerSm + 1) - kSharedMemoryReservedPerBlock;
+  static constexpr int kMinSmemBytes = kDecode ? (kShareOfOneBlockMoreBytes / 128 + 1) * 128 : 0;
+  static constexpr int kSingleBlockSmemBytes =
+      kSmemBytes > kMinSmemBytes ? kSmemBytes : kMinSmemBytes;
+
+  // Used by the split heuristic (resident blocks per SM, from shared memory).
+  static constexpr int kBlocksPerSm =
+      kBlockSharedMemoryLimitBytes / (kSingleBlockSmemBytes + kSharedMemoryReservedPerBlock);
+  static_assert(!kDecode || kBlocksPerSm == kDecodeBlocksPerSm, "decode residency");
+
+  // The kernel's launch bounds: where n decode blocks of kThreads could not all have 255 registers
+  // per thread in the 64 K of an SM (D = 64: 4 blocks, at most 128 each), the compiler is told to
+  // keep that many resident. 0 leaves the bound out (D = 128 and 256, prefill, block pairs): even
+  // a bound it already meets changed ptxas' allocation at D = 128 (206 -> 212 registers).
+  static constexpr int kMinBlocksPerSm =
+      kDecode && kGroups_ == 1 && kDecodeBlocksPerSm * kThreads * 255 > 64 * 1024
+          ? kDecodeBlocksPerSm
+          : 0;
+
+  // Decode block pairs: kGroups = 2 puts the two splits of a (sequence, kv head, row tile) in one
+  // block as two independent groups of kWarps warps, each with its own shared-memory region
+  // (kSmemBytes: query, K/V stages, incoming states), its own pipeline and its own named barrier;
+  // they merge in shared memory at the end like a cluster pair, with no cluster. Everything above
+  // is per group.
+  static constexpr int kGroups = kGroups_;
+  static constexpr int kBlockThreads = kThreads * kGroups;
+  static constexpr int kBlockSmemBytes =
+      kGroups == 1 ? kSingleBlockSmemBytes : kSmemBytes * kGroups;
+  static_assert(kGroups == 1 || (kDecode && kGroups == kClusterSplits), "pairs of decode splits");
+  static_assert(kSmemBytes % 128 == 0, "each group's region starts 128-byte aligned");
+
+  static_assert(kHeadDim % 16 == 0, "mma k-steps of 16");
+  static_assert(kWarpTileN % 16 == 0, "P V consumes kv positions 16 at a time");
+  static_assert((kTileN * kChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
+};
+
+// Traits of the decode forms (plan.h's DecodeForm): 4-warp blocks (also the split and cluster
+// forms), block pairs, eight-warp blocks (also the persistent decode's block).
+template <int kHeadDim>
+using DecodeTraits = PagedAttentionTraits<kHeadDim, true>;
+template <int kHeadDim>
+using DecodePairTraits = PagedAttentionTraits<kHeadDim, true, 2>;
+template <int kHeadDim>
+using DecodeEightWarpTraits = PagedAttentionTraits<kHeadDim, true, 1, 8>;
+template <int kHeadDim>
+using PrefillTraits = PagedAttentionTraits<kHeadDim, false>;
+
+// Shared memory of the persistent decode block (decode_persistent_kernel.cuh): two query
+// buffers, the K and V stages and the page-id ring as the eight-warp block has them, then the
+// merge region (the K/V stages hold the next item's tiles while the warps merge) and the queue of
+// the block's items (index and length, kItemSlots of each).
+template <typename Traits>
+struct PersistentDecodeLayout {
+  static_assert(Traits::kDecode && Traits::kPageIdRing && Traits::kGroups == 1,
+                "the eight-warp decode block's tiles");
+  static constexpr int kItemSlots = 8;  // a power of two above the items in flight (at most 5)
+  static constexpr int kQueryBytes = Traits::kQSmemElements * Traits::kElementBytes;
+  static constexpr int kStageBytes =
+      Traits::kKVSmemElements * Traits::kElementBytes;  // all stages of K (or V)
+  static constexpr int kQueryOffset = 0;                // [2] query buffers
+  static constexpr int kKOffset = kQueryOffset + 2 * kQueryBytes;
+  static constexpr int kVOffset = kKOffset + kStageBytes;
+  static constexpr int kPageIdOffset = kVOffset + kStageBytes;
+  static constexpr int kMergeOffset = kPageIdOffset + Traits::kPageIdBytes;
+  static constexpr int kItemQueueOffset = kMergeOffset + Traits::kMergeBytes;
+  static constexpr int kSmemBytes = kItemQueueOffset + 2 * kItemSlots * 4;
+  static_assert(kMergeOffset % 16 == 0 && kItemQueueOffset % 16 == 0, "16-byte aligned regions");
+  static_assert(kSmemBytes <= kBlockSharedMemoryLimitBytes, "one block per SM");
+};
+
+}  // namespace astrai::kernels

@@ -1,7 +1,0 @@
-// Paged decode kernels for head_dim 256, bf16 and fp16 (one file per head dim and kernel so the
-// build compiles them in parallel).
-#include "paged_attention_kernel.cuh"
-
-namespace astrai::kernels {
-ASTRAI_INSTANTIATE_PAGED_ATTENTION(256, true)
-}  // namespace astrai::kernels

@@ -1,0 +1,47 @@
+// astr::merge_states: two partial attentions over disjoint key sets, combined exactly through
+// their log-sum-exps (composite ATen: every device, differentiable, no host synchronisation).
+#include <ATen/ATen.h>
+
+#include <limits>
+#include <tuple>
+
+#include "check.h"
+#include "ops.h"
+
+namespace astr {
+
+std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                const at::Tensor& out_b, const at::Tensor& lse_b) {
+  ASTR_CHECK_VALUE(out_a.dim() >= 1 && out_a.sizes() == out_b.sizes(),
+                   "out_b: expected the shape of out_a ", out_a.sizes(), ", got ", out_b.sizes());
+  ASTR_CHECK_VALUE(out_a.scalar_type() == out_b.scalar_type(), "out_b: expected dtype ",
+                   out_a.scalar_type(), " (out_a's), got ", out_b.scalar_type());
+  const auto rows = out_a.sizes().slice(0, out_a.dim() - 1);
+  for (auto [lse, name] : {std::pair{&lse_a, "lse_a"}, std::pair{&lse_b, "lse_b"}}) {
+    ASTR_CHECK_VALUE(lse->scalar_type() == at::kFloat, name, ": expected float32, got ",
+                     lse->scalar_type());
+    ASTR_CHECK_VALUE(lse->sizes() == rows, name, ": expected shape ", rows,
+                     " (out's without its last dim), got ", lse->sizes());
+  }
+  for (auto [t, name] :
+       {std::pair{&lse_a, "lse_a"}, std::pair{&out_b, "out_b"}, std::pair{&lse_b, "lse_b"}}) {
+    ASTR_CHECK_VALUE(t->device() == out_a.device(), name, ": expected a tensor on ", out_a.device(),
+                     " (out_a's device), got ", t->device());
+  }
+  const double inf = std::numeric_limits<double>::infinity();
+  // Rescale both to the larger lse; a side that saw nothing (lse -inf) weighs 0.
+  const at::Tensor top = at::maximum(lse_a, lse_b);
+  const at::Tensor base = at::where(at::isinf(top), at::zeros_like(top), top).detach();
+  const at::Tensor weight_a = at::exp(lse_a - base), weight_b = at::exp(lse_b - base);
+  const at::Tensor sum = weight_a + weight_b;
+  const at::Tensor seen = sum > 0;
+  const at::Tensor safe_sum = at::where(seen, sum, at::ones_like(sum));
+  const at::ScalarType compute = out_a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor out = (out_a.to(compute) * (weight_a / safe_sum).unsqueeze(-1).to(compute) +
+                          out_b.to(compute) * (weight_b / safe_sum).unsqueeze(-1).to(compute))
+                             .to(out_a.scalar_type());
+  const at::Tensor lse = at::where(seen, at::log(safe_sum) + base, at::full_like(sum, -inf));
+  return {out, lse};
+}
+
+}  // namespace astr

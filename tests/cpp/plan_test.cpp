@@ -1,0 +1,342 @@
+// The plan of a paged attention call (csrc/kernels/paged_attention/plan.h): the decode's rules
+// on the shapes they were measured on (an H200: 132 SMs x 2 decode blocks at D = 128; Hq = 32,
+// Hkv = 8, so one row tile per (sequence, kv head) pair; kv tiles of 64 positions), the forms the
+// plan picks from them, the tuning overrides and the prefill's kernel.
+#include "plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "config.h"
+#include "traits.h"
+
+namespace {
+
+using astrai::kernels::decode_block_pairs_fill_gpu;
+using astrai::kernels::decode_eight_warp_blocks_pay;
+using astrai::kernels::decode_splits_filling_one_wave;
+using astrai::kernels::DecodeForm;
+using astrai::kernels::DecodePlan;
+using astrai::kernels::DecodeShape;
+using astrai::kernels::DeviceFacts;
+using astrai::kernels::KernelTuning;
+using astrai::kernels::PrefillKernel;
+
+constexpr int64_t kH200Slots = 132 * 2;
+constexpr int64_t pairs(int64_t batch, int64_t kv_heads = 8) { return batch * kv_heads; }
+constexpr int64_t tiles(int64_t length) { return (length + 63) / 64; }
+
+TEST(DecodeSplits, AsManyAsFitTheGridIntoOneWave) {
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), kH200Slots, tiles(2048)), 2);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(12), kH200Slots, tiles(4096)), 2);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(10), kH200Slots, tiles(8192)), 3);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(8), kH200Slots, tiles(4096)), 4);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(32768)), 33);
+}
+
+TEST(DecodeSplits, OneSplitOnceTheBatchAloneFillsMostOfAWave) {
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(24), kH200Slots, tiles(2048)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(64), kH200Slots, tiles(4096)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(32, 32), kH200Slots, tiles(4096)), 1);
+}
+
+TEST(DecodeSplits, NeverMoreSplitsThanTilesNorMoreThan256) {
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(512)), 8);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(64)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(1), kH200Slots, tiles(1)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(1, 100000, 100000), 256);
+}
+
+TEST(DecodeSplits, DegenerateShapesTakeOneSplit) {
+  EXPECT_EQ(decode_splits_filling_one_wave(0, kH200Slots, tiles(4096)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), 0, tiles(4096)), 1);
+  EXPECT_EQ(decode_splits_filling_one_wave(pairs(16), kH200Slots, 0), 1);
+}
+
+TEST(DecodeBlockPairs, TakeMoreThanTwoThirdsOfTheSms) {
+  EXPECT_TRUE(decode_block_pairs_fill_gpu(pairs(16), 132));   // 128 pair blocks
+  EXPECT_TRUE(decode_block_pairs_fill_gpu(pairs(12), 132));   // 96, measured faster than 2 blocks
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(pairs(11), 132));  // 88 = 2/3 of 132
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(pairs(8), 132));   // 64, measured 1.26x slower
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(0, 132));
+  EXPECT_FALSE(decode_block_pairs_fill_gpu(pairs(16), 0));
+}
+
+TEST(DecodeBlockPairs, EveryTwoSplitGridOfTheRuleIsFilled) {
+  // Wherever the one-wave rule gives 2 splits, the pairs cover more than 2/3 of the SMs.
+  int two_split_grids = 0;
+  for (int64_t blocks = 1; blocks <= 400; ++blocks) {
+    if (decode_splits_filling_one_wave(blocks, kH200Slots, tiles(32768)) != 2) continue;
+    ++two_split_grids;
+    EXPECT_TRUE(decode_block_pairs_fill_gpu(blocks, 132)) << blocks;
+  }
+  EXPECT_EQ(two_split_grids, 132 - 88);  // 89 to 132 pair blocks
+}
+
+TEST(DecodeEightWarpBlocks, ReplaceThePairsUpTo16384Positions) {
+  EXPECT_TRUE(decode_eight_warp_blocks_pay(2048));
+  EXPECT_TRUE(decode_eight_warp_blocks_pay(16384));  // measured 0.5% faster
+  EXPECT_FALSE(decode_eight_warp_blocks_pay(16385));
+  EXPECT_FALSE(decode_eight_warp_blocks_pay(32768));  // level on average: the pairs stay
+  EXPECT_FALSE(decode_eight_warp_blocks_pay(0));
+}
+
+TEST(DecodePersistentBlocks, RunAtThreeRoundsOfOneItemPerSmAndFromFive) {
+  using astrai::kernels::decode_persistent_blocks_pay;
+  // 132 SMs: the measured batch sizes at Hkv = 8 (items = 8 B), rounds = ceil(items / 132).
+  EXPECT_FALSE(decode_persistent_blocks_pay(192, 132));  // B=24: 2 rounds
+  EXPECT_FALSE(decode_persistent_blocks_pay(256, 132));  // B=32: 2
+  EXPECT_TRUE(decode_persistent_blocks_pay(320, 132));   // B=40: 3
+  EXPECT_TRUE(decode_persistent_blocks_pay(384, 132));   // B=48: 3
+  EXPECT_FALSE(decode_persistent_blocks_pay(448, 132));  // B=56: 4
+  EXPECT_FALSE(decode_persistent_blocks_pay(512, 132));  // B=64: 4
+  EXPECT_TRUE(decode_persistent_blocks_pay(640, 132));   // B=80: 5
+  EXPECT_TRUE(decode_persistent_blocks_pay(768, 132));   // B=96: 6
+  EXPECT_TRUE(decode_persistent_blocks_pay(896, 132));   // B=112: 7
+  EXPECT_TRUE(decode_persistent_blocks_pay(1024, 132));  // B=128: 8
+  // One round or less is the split rule's (block pairs, eight-warp blocks); edges of a round.
+  EXPECT_FALSE(decode_persistent_blocks_pay(132, 132));
+  EXPECT_FALSE(decode_persistent_blocks_pay(100, 132));
+  EXPECT_TRUE(decode_persistent_blocks_pay(265, 132));
+  EXPECT_TRUE(decode_persistent_blocks_pay(396, 132));
+  EXPECT_FALSE(decode_persistent_blocks_pay(397, 132));  // 4 rounds
+  EXPECT_TRUE(decode_persistent_blocks_pay(529, 132));   // 5
+  EXPECT_FALSE(decode_persistent_blocks_pay(1000, 0));
+}
+
+// The rule's slots assume 2 single decode blocks per SM at D = 128 (4 at D = 64) and a block pair
+// in place of both (paged_attention_traits.h, with an H200 SM's shared-memory figures).
+using astrai::kernels::kBlockSharedMemoryLimitBytes;
+TEST(DecodeResidency, OnePersistentBlockPerSmAtHeadDim128) {
+  using Eight = astrai::kernels::PagedAttentionTraits<128, true, 1, 8>;
+  using Layout = astrai::kernels::PersistentDecodeLayout<Eight>;
+  EXPECT_LE(Layout::kSmemBytes, kBlockSharedMemoryLimitBytes);
+  EXPECT_GT(Layout::kSmemBytes, 163 * 1024);  // not on an A100: the rule never asks there
+  EXPECT_EQ(Layout::kSmemBytes, 209984);      // tests/kernels' persistent_decode_fits
+}
+
+constexpr int resident(int block_bytes) {
+  return astrai::kernels::kSmSharedMemoryBytes /
+         (block_bytes + astrai::kernels::kSharedMemoryReservedPerBlock);
+}
+
+TEST(DecodeResidency, TwoSingleBlocksOrOnePairPerSmAtHeadDim128) {
+  using Single = astrai::kernels::PagedAttentionTraits<128, true>;
+  using Pair = astrai::kernels::PagedAttentionTraits<128, true, 2>;
+  EXPECT_EQ(Single::kStages, 2);
+  EXPECT_EQ(Single::kBlocksPerSm, 2);
+  EXPECT_EQ(resident(Single::kBlockSmemBytes), 2);  // a third does not fit beside 2
+  EXPECT_EQ(resident(Pair::kBlockSmemBytes), 1);
+  EXPECT_LE(Pair::kBlockSmemBytes, kBlockSharedMemoryLimitBytes);
+}
+
+TEST(DecodeResidency, OneEightWarpBlockPerSmAtHeadDim128) {
+  using Eight = astrai::kernels::PagedAttentionTraits<128, true, 1, 8>;
+  EXPECT_EQ(Eight::kTileN, 128);  // 16 positions per warp, as in every decode group
+  EXPECT_EQ(Eight::kStages, 2);
+  EXPECT_TRUE(Eight::kPageIdRing);
+  EXPECT_FALSE((astrai::kernels::PagedAttentionTraits<128, true>::kPageIdRing));
+  EXPECT_EQ(Eight::kBlocksPerSm, 1);
+  EXPECT_EQ(resident(Eight::kBlockSmemBytes), 1);
+  EXPECT_LE(Eight::kBlockSmemBytes, kBlockSharedMemoryLimitBytes);
+  EXPECT_LE(Eight::kBlockSmemBytes, 163 * 1024);  // fits an A100's block too
+  EXPECT_EQ(Eight::kMinBlocksPerSm, 0);           // 256 threads x 255 registers fit 64 K
+}
+
+TEST(DecodeResidency, FourBlocksPerSmAtHeadDim64) {
+  using D64 = astrai::kernels::PagedAttentionTraits<64, true>;
+  EXPECT_EQ(D64::kStages, 2);
+  EXPECT_EQ(D64::kBlocksPerSm, 4);
+  EXPECT_EQ(resident(D64::kBlockSmemBytes), 4);  // a fifth does not fit beside 4
+  EXPECT_GT(D64::kBlockSmemBytes, D64::kSmemBytes);
+  EXPECT_EQ(D64::kMinBlocksPerSm, 4);  // registers: at most 128 per thread
+}
+
+TEST(DecodeResidency, OneBlockPerSmAtHeadDim256) {
+  using D256 = astrai::kernels::PagedAttentionTraits<256, true>;
+  EXPECT_EQ(D256::kBlockSmemBytes, D256::kSmemBytes);
+  EXPECT_EQ(D256::kBlocksPerSm, 1);
+  EXPECT_EQ(resident(D256::kBlockSmemBytes), 1);
+}
+
+TEST(DecodeResidency, LaunchBoundsOnlyWhereRegistersWouldLimitResidency) {
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, true>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, true, 2>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<256, true>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, false>::kMinBlocksPerSm), 0);
+}
+
+// ---- The plan ------------------------------------------------------------------------------
+
+DeviceFacts h200() {
+  DeviceFacts facts;
+  facts.arch = 90;
+  facts.num_sms = 132;
+  facts.max_smem_per_block = 227 * 1024;
+  facts.max_smem_per_sm = 228 * 1024;
+  facts.has_sm90a_code = true;
+  return facts;
+}
+
+DeviceFacts a100() {
+  DeviceFacts facts;
+  facts.arch = 80;
+  facts.num_sms = 108;
+  facts.max_smem_per_block = 163 * 1024;
+  facts.max_smem_per_sm = 164 * 1024;
+  return facts;
+}
+
+DecodeShape decode(int batch, int64_t length, int head_dim = 128, int kv_heads = 8,
+                   int window_left = -1) {
+  DecodeShape shape;
+  shape.num_seqs = batch;
+  shape.num_q_heads = 32;
+  shape.num_kv_heads = kv_heads;
+  shape.head_dim = head_dim;
+  shape.block_table_positions = length;
+  shape.window_left = window_left;
+  return shape;
+}
+
+DecodePlan plan(const DecodeShape& shape, const DeviceFacts& device = h200(),
+                const char* tuning = "") {
+  KernelTuning parsed;
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning(tuning, &parsed), "");
+  return astrai::kernels::plan_paged_decode(shape, device, parsed);
+}
+
+TEST(DecodePlan, OneWaveOfTwoSplitsRunsEightWarpBlocksUpTo16384Positions) {
+  const DecodePlan p = plan(decode(16, 2048));
+  EXPECT_EQ(p.form, DecodeForm::kEightWarps);
+  EXPECT_EQ(p.num_splits, 1);
+  EXPECT_EQ(p.workspace_floats, 0u);
+}
+
+TEST(DecodePlan, LongerTwoSplitGridsRunBlockPairs) {
+  const DecodePlan p = plan(decode(16, 32768));
+  EXPECT_EQ(p.form, DecodeForm::kBlockPairs);
+  EXPECT_EQ(p.num_splits, 2);
+}
+
+TEST(DecodePlan, ManySplitsMergeInTheMergeKernelWithAWorkspace) {
+  const DecodePlan p = plan(decode(1, 32768));
+  EXPECT_EQ(p.form, DecodeForm::kSplit);
+  EXPECT_EQ(p.num_splits, 33);
+  EXPECT_EQ(p.workspace_floats, 33u * 1 * 32 * (128 + 1));
+}
+
+TEST(DecodePlan, RoundsOfItemsPickThePersistentDecodeAtThreeAndFromFive) {
+  EXPECT_EQ(plan(decode(48, 4096)).form, DecodeForm::kPersistent);  // 384 items: 3 rounds
+  EXPECT_EQ(plan(decode(64, 4096)).form, DecodeForm::kSplit);       // 512: 4 rounds, 4-warp
+  const DecodePlan p = plan(decode(128, 2048));                     // 1024: 8 rounds
+  EXPECT_EQ(p.form, DecodeForm::kPersistent);
+  EXPECT_EQ(p.persistent_blocks, 132);
+}
+
+TEST(DecodePlan, TwoSplitsAtOtherHeadDimsMergeInAClusterOnHopper) {
+  // D = 256: 1 block per SM, so 2 splits fill one wave at B = 8 (64 pairs, 128 blocks).
+  EXPECT_EQ(plan(decode(8, 4096, 256)).form, DecodeForm::kCluster);
+  // Before sm_90 there are no clusters: the merge kernel (an A100 has 108 slots of 1 block).
+  const DecodePlan p = plan(decode(4, 4096, 256), a100());
+  EXPECT_EQ(p.form, DecodeForm::kSplit);
+  EXPECT_EQ(p.num_splits, 3);
+  EXPECT_GT(p.workspace_floats, 0u);
+}
+
+TEST(DecodePlan, EveryBuiltHeadDimHasAPlan) {
+  for (const auto& row : astrai::kernels::kPagedHeadDims) {
+    if (!astrai::kernels::paged_head_dim_built(row.head_dim)) continue;
+    for (int batch : {1, 16, 64, 128}) {
+      const DecodePlan p = plan(decode(batch, 4096, row.head_dim));
+      EXPECT_EQ(p.error, "") << row.head_dim;
+      EXPECT_GE(p.num_splits, 1);
+    }
+  }
+}
+
+TEST(DecodePlan, AnUnsupportedHeadDimNamesWhatIsSupported) {
+  const DecodePlan p = plan(decode(16, 4096, 80));
+  EXPECT_EQ(p.error, astrai::kernels::unsupported_head_dim_message(80));
+  EXPECT_NE(p.error.find("unsupported head_dim 80 (supported: "), std::string::npos);
+}
+
+TEST(DecodePlan, AWindowBoundsTheSplitsByTheWindowNotTheTable) {
+  // B = 1 over a 32768-position table with a 1024-position window: the tiles of the window (and
+  // one more) are split, as a table of that many positions would be.
+  const DecodePlan windowed = plan(decode(1, 32768, 128, 8, 1023));
+  const DecodePlan short_table = plan(decode(1, 1024 + 64));
+  EXPECT_EQ(windowed.num_splits, short_table.num_splits);
+  EXPECT_LT(windowed.num_splits, plan(decode(1, 32768)).num_splits);
+}
+
+TEST(DecodePlan, ForcedFormsRunWhereTheyCanAndFallBackWhereTheyCannot) {
+  EXPECT_EQ(plan(decode(16, 2048), h200(), "decode_form=block_pairs").form,
+            DecodeForm::kBlockPairs);
+  EXPECT_EQ(plan(decode(16, 2048), h200(), "decode_form=cluster").form, DecodeForm::kCluster);
+  const DecodePlan split = plan(decode(16, 2048), h200(), "decode_form=split,decode_splits=2");
+  EXPECT_EQ(split.form, DecodeForm::kSplit);
+  EXPECT_EQ(split.num_splits, 2);
+  EXPECT_GT(split.workspace_floats, 0u);
+  const DecodePlan persistent =
+      plan(decode(4, 2048), h200(), "decode_form=persistent,persistent_blocks=3");
+  EXPECT_EQ(persistent.form, DecodeForm::kPersistent);
+  EXPECT_EQ(persistent.persistent_blocks, 3);
+  // No persistent kernel at D = 64: the automatic choice runs.
+  EXPECT_EQ(plan(decode(16, 2048, 64), h200(), "decode_form=persistent").form,
+            plan(decode(16, 2048, 64)).form);
+  // No cluster before sm_90.
+  EXPECT_EQ(plan(decode(16, 2048), a100(), "decode_form=cluster").form, DecodeForm::kSplit);
+}
+
+TEST(DecodePlan, AForcedSplitCountKeepsItsCount) {
+  for (int splits : {1, 3, 5, 32}) {
+    const std::string tuning = "decode_splits=" + std::to_string(splits);
+    EXPECT_EQ(plan(decode(4, 8192), h200(), tuning.c_str()).num_splits, splits);
+  }
+  // 2 forced splits merge as the rule's 2 would, but are not replaced by eight-warp blocks.
+  EXPECT_EQ(plan(decode(16, 2048), h200(), "decode_splits=2").form, DecodeForm::kBlockPairs);
+}
+
+TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
+  KernelTuning tuning;
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning(
+                "decode_form=eight_warps,decode_splits=4,persistent_blocks=7,"
+                "prefill_kernel=mma_sync",
+                &tuning),
+            "");
+  EXPECT_EQ(tuning.decode_form, DecodeForm::kEightWarps);
+  EXPECT_EQ(tuning.decode_splits, 4);
+  EXPECT_EQ(tuning.persistent_blocks, 7);
+  EXPECT_EQ(tuning.prefill_kernel, PrefillKernel::kMmaSync);
+  for (const char* bad : {"decode_form=fast", "decode_splits=0", "decode_splits=x", "speed=1",
+                          "decode_splits=70000"}) {
+    KernelTuning unchanged = tuning;
+    EXPECT_NE(astrai::kernels::parse_kernel_tuning(bad, &unchanged), "") << bad;
+    EXPECT_EQ(unchanged.decode_splits, 4) << bad;
+  }
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("", &tuning), "");
+  EXPECT_EQ(tuning.decode_form, DecodeForm::kAuto);
+}
+
+TEST(PrefillPlan, WgmmaWhereTheHeadDimCompilesItOnSm90aElseMmaSync) {
+  KernelTuning automatic;
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
+            PrefillKernel::kWgmma);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), automatic).kernel,
+            PrefillKernel::kMmaSync);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, a100(), automatic).kernel,
+            PrefillKernel::kMmaSync);
+  DeviceFacts no_sm90a = h200();
+  no_sm90a.has_sm90a_code = false;
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, no_sm90a, automatic).kernel,
+            PrefillKernel::kMmaSync);
+  KernelTuning mma_sync;
+  mma_sync.prefill_kernel = PrefillKernel::kMmaSync;
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), mma_sync).kernel,
+            PrefillKernel::kMmaSync);
+  EXPECT_NE(astrai::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
+}
+
+}  // namespace
