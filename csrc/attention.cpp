@@ -3,6 +3,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <mutex>
@@ -19,6 +20,7 @@
 #include "dispatch/override_stack.h"
 #include "dispatch/resolver.h"
 #include "ops.h"
+#include "python_warnings.h"
 
 namespace astr {
 
@@ -31,7 +33,8 @@ using dispatch::Decision;
 using dispatch::OverrideStack;
 using dispatch::Selection;
 
-void warn(const std::string& message) { TORCH_WARN(message); }
+// Through Python's warnings module (see python_warnings.h); never called with a lock held.
+void warn(const std::string& message) { warn_in_python(message); }
 
 std::string to_string(const std::optional<c10::string_view>& text) {
   return text ? std::string(text->data(), text->size()) : std::string();
@@ -57,8 +60,12 @@ const Decision& decide(const CallDescription& call, const std::optional<c10::str
     ASTR_CHECK_VALUE(text.empty() || source == "context" || source == "environment",
                      "selection: expected \"context:NAME\", \"environment:NAME\" or \"\", got \"",
                      text, "\"");
-    ASTR_CHECK_VALUE(text.empty() || dispatch::parse_backend(name).has_value(), "selection: \"",
-                     text, "\" names no backend (valid: ", dispatch::valid_backend_names(), ")");
+    // A context names a backend (the stack validates its pushes; this string is the caller's).
+    // An unknown environment name is what ASTR_BACKEND may hold: warned about and ignored.
+    ASTR_CHECK_VALUE(source != "context" || dispatch::parse_backend(name).has_value() ||
+                         dispatch::is_python_backend_marker(name),
+                     "selection: \"", text, "\" names no backend (expected \"context:NAME\" with ",
+                     "NAME one of ", dispatch::valid_backend_names(), ", or python:LABEL)");
     context = source == "context" ? std::optional<std::string>(name) : std::nullopt;
     environment = source == "environment" ? name : std::string();
   }
@@ -85,12 +92,15 @@ void report_fallback(const Decision& decision, const CallDescription& call) {
   key += skipped;
   static std::mutex mutex;
   static std::set<std::string> reported;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!reported.insert(key).second) return;
-  TORCH_WARN("astr.attention: using ", dispatch::backend_name(*decision.chosen),
-             " (requested: ", decision.selection.name.empty() ? "default" : decision.selection.name,
-             ", ", dispatch::selection_source_name(decision.selection.source), "); skipped",
-             skipped);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!reported.insert(key).second) return;
+  }
+  const std::string requested =
+      decision.selection.name.empty() ? std::string("default") : decision.selection.name;
+  warn(std::string("astr.attention: using ") + dispatch::backend_name(*decision.chosen) +
+       " (requested: " + requested + ", " +
+       dispatch::selection_source_name(decision.selection.source) + "); skipped" + skipped);
 }
 
 // True while torch.compile traces: q is a fake or functional tensor.
@@ -112,6 +122,21 @@ std::string describe_state(const std::string& state) {
   return state.empty() ? std::string("no context and no ASTR_BACKEND") : state;
 }
 
+bool is_empty_batch(const at::Tensor& seq_lens) {
+  const auto batch = seq_lens.sym_size(0).maybe_as_int();
+  return batch && *batch == 0;
+}
+
+// max_query_len may be any upper bound on the new tokens of one sequence; the call's token count
+// is one too, and the backends size buffers by the bound: a huge value would otherwise fail in
+// the allocator. Unchanged while the token count is symbolic (torch.compile traces).
+int64_t bounded_max_query_len(const at::Tensor& q, const std::optional<at::Tensor>& k_cache,
+                              int64_t max_query_len) {
+  if (!k_cache || q.dim() != 3) return max_query_len;
+  const auto tokens = q.sym_size(0).maybe_as_int();
+  return tokens ? std::min(max_query_len, std::max<int64_t>(*tokens, 1)) : max_query_len;
+}
+
 }  // namespace
 
 namespace {
@@ -123,6 +148,14 @@ AttentionResult run_attention(const AttentionArgs& args, std::optional<c10::stri
   ASTR_CHECK(decision.chosen.has_value(), decision.error);
   report_fallback(decision, call);
   if (!backend && !selection && is_traced(args.q)) record_trace_state(args.q);
+  if (args.paged() && is_empty_batch(*args.seq_lens)) {
+    // No sequence, so no query token (validated): the answer is empty, whatever the backend
+    // (whose gathers size buffers by the batch). Tied to q so that autograd sees it.
+    const at::Tensor& q = args.q;
+    const at::Tensor out =
+        at::zeros({0, q.size(1), args.v_cache->size(3)}, q.options()) + q.sum() * 0;
+    return {out, at::empty({0, q.size(1)}, q.options().dtype(at::kFloat))};
+  }
   switch (*decision.chosen) {
     case Backend::kCuda:
       return cuda_paged(args);
@@ -146,6 +179,7 @@ at::Tensor attention(
     std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
     const std::optional<at::Tensor>& v_scale) {
+  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
   AttentionArgs args{q,
                      k,
                      v,
@@ -181,6 +215,7 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(
   ASTR_CHECK_VALUE(return_lse,
                    "return_lse: attention.lse returns (out, lse); call attention without "
                    "return_lse for out alone");
+  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
   AttentionArgs args{q,
                      k,
                      v,
@@ -212,7 +247,7 @@ std::string explain(
     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
     int64_t window_left, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
     bool return_lse, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale) {
+    const std::optional<at::Tensor>& v_scale, std::optional<c10::string_view> selection) {
   AttentionArgs args{q,
                      k,
                      v,
@@ -232,7 +267,7 @@ std::string explain(
                      return_lse,
                      k_scale,
                      v_scale};
-  return decide(validate_and_describe(args), backend).to_json();
+  return decide(validate_and_describe(args), backend, selection).to_json();
 }
 
 std::string check_backend(c10::string_view backend, const at::Tensor& q,
@@ -252,18 +287,26 @@ std::string check_backend(c10::string_view backend, const at::Tensor& q,
   return text;
 }
 
-void push_backend(c10::string_view name) {
+int64_t push_backend(c10::string_view name) {
   try {
-    OverrideStack::current().push(std::string(name.data(), name.size()));
+    return static_cast<int64_t>(
+        OverrideStack::current().push(std::string(name.data(), name.size())));
   } catch (const std::invalid_argument& error) {
     ASTR_CHECK_VALUE(false, error.what());
   }
 }
 
-void pop_backend() {
-  ASTR_CHECK(OverrideStack::current().depth() > 0,
-             "pop_backend: the attention backend override stack is empty");
-  OverrideStack::current().pop();
+void pop_backend(std::optional<int64_t> id) {
+  if (!id) {
+    ASTR_CHECK(OverrideStack::current().depth() > 0,
+               "pop_backend: the attention backend override stack is empty");
+    OverrideStack::current().pop();
+    return;
+  }
+  ASTR_CHECK(
+      *id > 0 && OverrideStack::current().remove(static_cast<uint64_t>(*id)),
+      "pop_backend: no override with id ", *id,
+      " is on this thread's stack (a context is exited on the thread that entered it, once)");
 }
 
 std::string selected_backend() {

@@ -152,9 +152,18 @@ void validate_dense(const AttentionArgs& a) {
 // torch.compile traces, and meta tensors.
 bool has_readable_data(const at::Tensor& t) {
   const c10::DispatchKeySet keys = t.key_set();
-  return !t.is_meta() && !keys.has(c10::DispatchKey::Python) &&
-         !keys.has(c10::DispatchKey::Functionalize) && t.has_storage() &&
-         t.storage().data_ptr().get() != nullptr;
+  if (t.is_meta() || keys.has(c10::DispatchKey::Python) ||
+      keys.has(c10::DispatchKey::Functionalize) || !t.has_storage()) {
+    return false;
+  }
+  // An empty tensor may have no data pointer, and has nothing to read: it is readable.
+  return t.numel() == 0 || t.storage().data_ptr().get() != nullptr;
+}
+
+// "7", or "?" for a size only known symbolically (while torch.compile traces).
+std::string size_string(const c10::SymInt& size) {
+  const auto value = size.maybe_as_int();
+  return value ? std::to_string(*value) : std::string("?");
 }
 
 // Value checks on the paged metadata: only for CPU tensors, where reading them costs no device
@@ -237,6 +246,10 @@ void validate_paged(const AttentionArgs& a) {
   const int64_t batch = a.seq_lens->size(0);
   ASTR_CHECK(a.block_table->size(0) == batch, "block_table: has ", a.block_table->size(0),
              " rows, expected one per sequence (", batch, ", from seq_lens)");
+  ASTR_CHECK(a.block_table->size(1) >= 1, "block_table: expected at least one page column ",
+             "[batch, pages_per_seq >= 1], got shape ", shape_string(*a.block_table));
+  ASTR_CHECK(batch > 0 || q.sym_size(0) == 0, "q: ", size_string(q.sym_size(0)),
+             " query tokens, but the batch has no sequences (seq_lens is empty)");
   if (a.query_start_loc) {
     check_metadata(q, *a.query_start_loc, "query_start_loc", 1, "[batch + 1]");
     ASTR_CHECK(a.query_start_loc->size(0) == batch + 1, "query_start_loc: has ",
@@ -417,6 +430,10 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
   ASTR_CHECK_VALUE(!is_fp8(a.q.scalar_type()), "q: an FP8 q is not supported (got ",
                    a.q.scalar_type(),
                    "): keep q, k and v in the model's dtype; the KV cache may be FP8");
+  // A NaN or infinite scale turns every score into NaN or +-inf: the output would be NaN or
+  // (rows where every key is -inf) zeros, never an error.
+  ASTR_CHECK_VALUE(!a.scale || std::isfinite(*a.scale), "scale: expected a finite number, got ",
+                   std::to_string(*a.scale));
   if (a.paged()) {
     validate_paged(a);
   } else {
@@ -457,6 +474,7 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
 CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tensor>& k_cache,
                               const std::optional<at::Tensor>& attn_mask, bool is_causal,
                               Mode mode) {
+  ASTR_CHECK(q.dim() >= 1, "q: expected [..., q_heads, head_dim], got a 0-d tensor");
   CallDescription call;
   call.dtype = scalar_kind(q.scalar_type());
   call.device = device_kind(q.device());

@@ -69,7 +69,7 @@ std::string explain(
     std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
     int64_t window_left, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
     bool return_lse, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale);
+    const std::optional<at::Tensor>& v_scale, std::optional<c10::string_view> selection);
 
 // Reasons `backend` cannot run a call of this form ("" when it can), one per line.
 // `placement` adds the built/installed, device and arch rules.
@@ -82,11 +82,15 @@ std::string check_backend(c10::string_view backend, const at::Tensor& q,
 // negative: skip). CPU kernel here; CUDA kernel in csrc/backends/append_kv_cuda.cu.
 void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+// The Meta kernel: the same checks (csrc/backends/append_kv_checks.h), nothing written. Fake
+// tensors run it while torch.compile traces.
+void append_kv_meta(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
 
 // Override stack, environment and status: the Python API's handles on csrc/dispatch.
-void push_backend(c10::string_view name);
-void pop_backend();
-std::string selected_backend();  // "context:cuda", "environment:torch_native" or ""
+int64_t push_backend(c10::string_view name);  // -> the entry's id, for pop_backend
+void pop_backend(std::optional<int64_t> id);  // that entry, wherever it is; None: the top
+std::string selected_backend();               // "context:cuda", "environment:torch_native" or ""
 void set_backend_status(c10::string_view backend, bool available, c10::string_view reason,
                         int64_t version);
 std::string backend_status(c10::string_view backend);  // JSON {available, reason, version}

@@ -37,6 +37,9 @@ TORCH_LIBRARY(astr, m) {
       "append_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
   m.impl("append_kv", c10::DispatchKey::CPU, TORCH_FN(astr::append_kv_cpu));
+  // Meta (and fake tensors): checks only. A real tensor mixed with meta ones dispatches here too,
+  // and is refused instead of returning with nothing written.
+  m.impl("append_kv", c10::DispatchKey::Meta, TORCH_FN(astr::append_kv_meta));
 
   // The cuda backend: our paged prefill/decode kernels (CUDA key only; csrc/backends).
   // Returns (out, lse): lse [T, Hq] float32 when return_lse, else an empty tensor.
@@ -85,7 +88,7 @@ TORCH_LIBRARY(astr, m) {
       "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
       "int max_query_len=0, str? mode=None, str? backend=None, int window_left=-1, "
       "float? softcap=None, Tensor? sinks=None, bool return_lse=False, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> str",
+      "Tensor? v_scale=None, str? selection=None) -> str",
       &astr::explain);
 
   // Why a backend cannot run a call of this form ("" when it can).
@@ -94,9 +97,10 @@ TORCH_LIBRARY(astr, m) {
       "str? mode, bool placement) -> str",
       &astr::check_backend);
 
-  // Thread-local override stack, pushed/popped by attn_backend(...) in Python.
-  m.def("push_backend(str name) -> ()", &astr::push_backend);
-  m.def("pop_backend() -> ()", &astr::pop_backend);
+  // Thread-local override stack, pushed/popped by attn_backend(...) in Python. A push returns its
+  // entry's id; a pop with that id removes that entry wherever it is (None: the top).
+  m.def("push_backend(str name) -> int", &astr::push_backend);
+  m.def("pop_backend(int? id=None) -> ()", &astr::pop_backend);
   // What the user selected (context, then ASTR_BACKEND) as "source:name", or "".
   m.def("selected_backend() -> str", &astr::selected_backend);
   // Process-wide availability of a backend (the flash probe writes it) and its reading.

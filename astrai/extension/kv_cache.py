@@ -8,9 +8,9 @@ page_size`` of page ``block_table[b, i // page_size]``.
 
 from __future__ import annotations
 
-import math
+import operator
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,19 +34,28 @@ class StepMetadata:
     max_query_len: int  # most new tokens of any sequence (host int: no op reads lengths back)
     mode: str  # "decode" when every sequence adds one token, else "prefill"
 
+    _TENSORS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping")
+
     def copy_(self, other: StepMetadata) -> StepMetadata:
         """Copy another step's metadata into these tensors in place (same shapes), so that a
-        captured CUDA graph that reads these buffers sees the new step."""
-        for name in ("block_table", "seq_lens", "query_start_loc", "slot_mapping"):
+        captured CUDA graph that reads these buffers sees the new step. Everything is checked
+        before anything is copied: a refused step leaves these buffers as they were."""
+        for name in self._TENSORS:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine.shape != theirs.shape:
                 raise ValueError(
                     f"{name}: shape {tuple(theirs.shape)} does not match the captured "
                     f"{tuple(mine.shape)}; build steps with the same batch and block_table_width"
                 )
-            mine.copy_(theirs, non_blocking=True)
         if other.max_query_len > self.max_query_len:
-            raise ValueError("max_query_len: larger than the captured step's")
+            raise ValueError(
+                f"max_query_len: {other.max_query_len} is larger than the captured step's "
+                f"{self.max_query_len}"
+            )
+        if other.mode != self.mode:
+            raise ValueError(f"mode: a {other.mode} step cannot replay a captured {self.mode} step")
+        for name in self._TENSORS:
+            getattr(self, name).copy_(getattr(other, name), non_blocking=True)
         return self
 
 
@@ -90,6 +99,7 @@ class PagedKVCache:
         self._pages: Dict[int, List[int]] = {}
         self._lengths: Dict[int, int] = {}
         self.step: Optional[StepMetadata] = None
+        self._step_seq_ids: frozenset = frozenset()  # the sequences self.step writes to
 
     # -- sequences and pages -------------------------------------------------------------
     @property
@@ -103,12 +113,19 @@ class PagedKVCache:
         return list(self._pages.get(seq_id, []))
 
     def free(self, seq_id: int) -> None:
-        """Return a finished sequence's pages to the pool."""
+        """Return a finished sequence's pages to the pool. A step that writes to the sequence
+        ends with it (``step`` becomes None): its slots may soon belong to another sequence."""
         pages = self._pages.pop(seq_id, None)
         if pages is None:
             raise KeyError(f"seq_id: {seq_id} is not in the cache")
         self._lengths.pop(seq_id, None)
         self._free_pages.extend(reversed(pages))
+        if seq_id in self._step_seq_ids:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self.step = None
+        self._step_seq_ids = frozenset()
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= layer_id < self.num_layers:
@@ -126,29 +143,29 @@ class PagedKVCache:
 
         A seq_id not yet in the cache starts a new sequence. ``block_table_width`` fixes the
         block table's width (needed when the step will be replayed by a captured CUDA graph);
-        by default it is the most pages any sequence of this step uses. Raises
-        KVCacheFullError, changing nothing, when the pool has too few free pages.
+        by default it is the most pages any sequence of this step uses.
+
+        A refused step (ValueError, TypeError, or KVCacheFullError when the pool has too few
+        free pages) changes no page, length or pool, and ends the previous step (``step``
+        becomes None): no later call can write this step's tokens through that step's slots.
         """
-        if len(seq_ids) != len(num_new_tokens) or not seq_ids:
-            raise ValueError("seq_ids, num_new_tokens: expected two non-empty lists of one length")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError("seq_ids: a sequence appears twice in one step")
-        if any(n < 1 for n in num_new_tokens):
-            raise ValueError("num_new_tokens: every sequence must add at least one token")
+        self._end_step()
+        seq_ids, counts = self._check_step(seq_ids, num_new_tokens)
         page = self.page_size
-        new_lengths = [self.seq_len(s) + n for s, n in zip(seq_ids, num_new_tokens)]
-        pages_needed = [math.ceil(length / page) for length in new_lengths]
-        extra = sum(
+        new_lengths = [self.seq_len(s) + n for s, n in zip(seq_ids, counts)]
+        pages_needed = [-(-length // page) for length in new_lengths]
+        extra = [
             max(0, need - len(self._pages.get(s, []))) for s, need in zip(seq_ids, pages_needed)
-        )
-        if extra > len(self._free_pages):
+        ]
+        if sum(extra) > len(self._free_pages):
             raise KVCacheFullError(
-                f"KV cache out of pages: this step needs {extra} more pages of {page} tokens, "
-                f"{len(self._free_pages)} of {self.num_pages} are free; free finished sequences "
-                f"or build the cache with more pages"
+                f"KV cache out of pages: this step needs {sum(extra)} more pages of {page} "
+                f"tokens, {len(self._free_pages)} of {self.num_pages} are free; free finished "
+                f"sequences or build the cache with more pages"
             )
         width = max(pages_needed)
         if block_table_width is not None:
+            block_table_width = _as_count("block_table_width", block_table_width)
             if block_table_width < width:
                 raise ValueError(
                     f"block_table_width: {block_table_width} pages is fewer than the {width} "
@@ -156,13 +173,14 @@ class PagedKVCache:
                 )
             width = block_table_width
 
-        for seq_id, need in zip(seq_ids, pages_needed):
-            pages = self._pages.setdefault(seq_id, [])
-            while len(pages) < need:
-                pages.append(self._free_pages.pop())
+        # Build everything from copies first; the allocator's state changes only at the end.
+        free = list(self._free_pages)
+        pages_of = {}
+        for seq_id, more in zip(seq_ids, extra):
+            pages_of[seq_id] = self._pages.get(seq_id, []) + [free.pop() for _ in range(more)]
 
         batch = len(seq_ids)
-        tokens = sum(num_new_tokens)
+        tokens = sum(counts)
         # One host buffer: block_table | seq_lens | query_start_loc | slot_mapping.
         host = torch.zeros(batch * width + batch + (batch + 1) + tokens, dtype=torch.int32)
         table = host[: batch * width].view(batch, width)
@@ -170,30 +188,55 @@ class PagedKVCache:
         starts = host[batch * width + batch : batch * width + 2 * batch + 1]
         slots = host[batch * width + 2 * batch + 1 :]
         cursor = 0
-        for b, (seq_id, new) in enumerate(zip(seq_ids, num_new_tokens)):
-            pages = self._pages[seq_id]
+        for b, (seq_id, new) in enumerate(zip(seq_ids, counts)):
+            pages = pages_of[seq_id]
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            old = self._lengths.get(seq_id, 0)
+            old = self.seq_len(seq_id)
             positions = torch.arange(old, old + new)
             page_ids = torch.tensor(pages, dtype=torch.int64)[positions // page]
             slots[cursor : cursor + new] = (page_ids * page + positions % page).to(torch.int32)
             lens[b] = old + new
             starts[b + 1] = starts[b] + new
             cursor += new
-            self._lengths[seq_id] = old + new
 
         if self.device.type == "cuda":
             host = host.pin_memory()
         device = host.to(self.device, non_blocking=True)
-        self.step = StepMetadata(
+        step = StepMetadata(
             block_table=device[: batch * width].view(batch, width),
             seq_lens=device[batch * width : batch * width + batch],
             query_start_loc=device[batch * width + batch : batch * width + 2 * batch + 1],
             slot_mapping=device[batch * width + 2 * batch + 1 :],
-            max_query_len=max(num_new_tokens),
-            mode="decode" if all(n == 1 for n in num_new_tokens) else "prefill",
+            max_query_len=max(counts),
+            mode="decode" if all(n == 1 for n in counts) else "prefill",
         )
-        return self.step
+
+        self._free_pages = free
+        for seq_id, length in zip(seq_ids, new_lengths):
+            self._pages[seq_id] = pages_of[seq_id]
+            self._lengths[seq_id] = length
+        self.step = step
+        self._step_seq_ids = frozenset(seq_ids)
+        return step
+
+    def _check_step(self, seq_ids, num_new_tokens) -> Tuple[list, List[int]]:
+        """The ids as a list and the new-token counts as ints, after checking both; raises,
+        changing nothing."""
+        try:
+            seq_ids, num_new_tokens = list(seq_ids), list(num_new_tokens)
+        except TypeError:
+            raise TypeError("seq_ids, num_new_tokens: expected two sequences") from None
+        if len(seq_ids) != len(num_new_tokens) or not seq_ids:
+            raise ValueError("seq_ids, num_new_tokens: expected two non-empty lists of one length")
+        try:
+            if len(set(seq_ids)) != len(seq_ids):
+                raise ValueError("seq_ids: a sequence appears twice in one step")
+        except TypeError:
+            raise TypeError(f"seq_ids: expected hashable ids, got {seq_ids!r}") from None
+        counts = [_as_count("num_new_tokens", n) for n in num_new_tokens]
+        if any(n < 1 for n in counts):
+            raise ValueError("num_new_tokens: every sequence must add at least one token")
+        return seq_ids, counts
 
     def append(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this step's new tokens' k/v ``[..., kv_heads, head_dim]`` into a layer's pools."""
@@ -201,10 +244,18 @@ class PagedKVCache:
             raise RuntimeError("kv_cache: call begin_step(...) before appending")
         k_pool, v_pool = self.layer(layer_id)
         for name, tensor, dim in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
-            if tuple(tensor.shape[-2:]) != (self.num_kv_heads, dim):
+            if tensor.dim() < 2 or tuple(tensor.shape[-2:]) != (self.num_kv_heads, dim):
                 raise ValueError(
                     f"{name}: expected [..., kv_heads={self.num_kv_heads}, head_dim={dim}], "
                     f"got shape {tuple(tensor.shape)}"
+                )
+        step_tokens = self.step.slot_mapping.shape[0]
+        for name, tensor in (("k", k), ("v", v)):
+            tokens = tensor.numel() // (tensor.shape[-2] * tensor.shape[-1] or 1)
+            if tokens != step_tokens:
+                raise ValueError(
+                    f"{name}: {tokens} tokens (shape {tuple(tensor.shape)}), but this step "
+                    f"(begin_step) adds {step_tokens} new tokens"
                 )
         ops.append_kv(
             k.reshape(-1, self.num_kv_heads, self.head_dim),
@@ -213,3 +264,13 @@ class PagedKVCache:
             v_pool,
             self.step.slot_mapping,
         )
+
+
+def _as_count(name: str, value) -> int:
+    """``value`` as an int (ints and integer-valued objects such as numpy ints), else TypeError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {value!r}") from None

@@ -37,7 +37,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from astrai.extension import StepMetadata, attention, attn_backend
-from astrai.extension.backend.base import CONTEXT
+from astrai.extension.backend.base import task_backends
 
 try:
     import transformers
@@ -511,8 +511,8 @@ def _install_continuous_batching_hooks() -> None:
 
 def _install_backend_context_hook() -> None:
     """Continuous batching runs the model on transformers' own thread, and astrai's
-    ``attn_backend`` contexts belong to a thread: carry the contexts of the thread that starts
-    the manager (``generate_batch``, ``init_continuous_batching``) over to its loop."""
+    ``attn_backend`` contexts belong to a thread (or task): carry the contexts of the one that
+    starts the manager (``generate_batch``, ``init_continuous_batching``) over to its loop."""
     from transformers.generation.continuous_batching import continuous_api
 
     manager = continuous_api.ContinuousBatchingManager
@@ -521,7 +521,7 @@ def _install_backend_context_hook() -> None:
         return
 
     def start(self, *args, **kwargs):
-        self._astrai_backends = list(CONTEXT.backends)
+        self._astrai_backends = task_backends()
         return original_start(self, *args, **kwargs)
 
     original_loop = manager._run_generation_loop

@@ -3,39 +3,16 @@
 
 #include "../check.h"
 #include "../ops.h"
+#include "append_kv_checks.h"
 
 namespace astr {
 
 void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  ASTR_CHECK(k.dim() == 3, "k: expected [tokens, kv_heads, head_dim], got ", k.dim(), "-D");
-  ASTR_CHECK(v.dim() == 3, "v: expected [tokens, kv_heads, head_dim], got ", v.dim(), "-D");
-  ASTR_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
-             "k_cache, v_cache: expected [num_pages, page_size, kv_heads, head_dim]");
+  // Everything is checked before either pool is written: a failed call changes nothing.
+  check_append_kv_args(k, v, k_cache, v_cache, slot_mapping);
   ASTR_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-             "k_cache, v_cache: expected contiguous pools");
-  ASTR_CHECK(k.scalar_type() == k_cache.scalar_type(), "k: dtype ", k.scalar_type(),
-             " does not match k_cache's ", k_cache.scalar_type());
-  ASTR_CHECK(v.scalar_type() == v_cache.scalar_type(), "v: dtype ", v.scalar_type(),
-             " does not match v_cache's ", v_cache.scalar_type());
-  ASTR_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k: shape [", k.size(0),
-             ", ", k.size(1), ", ", k.size(2), "] does not match k_cache's heads/dim [",
-             k_cache.size(2), ", ", k_cache.size(3), "]");
-  ASTR_CHECK(v.size(1) == v_cache.size(2) && v.size(2) == v_cache.size(3),
-             "v: heads/head_dim do not match v_cache's");
-  ASTR_CHECK(v.size(0) == k.size(0), "v: ", v.size(0), " tokens, k has ", k.size(0));
-  ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0),
-             "slot_mapping: expected [tokens] = [", k.size(0), "]");
-  ASTR_CHECK(slot_mapping.scalar_type() == at::kInt, "slot_mapping: expected dtype int32, got ",
-             slot_mapping.scalar_type());
-  const std::pair<const at::Tensor*, const char*> named[] = {{&k, "k"},
-                                                             {&v, "v"},
-                                                             {&k_cache, "k_cache"},
-                                                             {&v_cache, "v_cache"},
-                                                             {&slot_mapping, "slot_mapping"}};
-  for (auto [t, name] : named) {
-    ASTR_CHECK(t->device().is_cpu(), name, ": expected a CPU tensor, got ", t->device());
-  }
+             "k_cache, v_cache: expected contiguous pools on the CPU");
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
   const at::Tensor slot = slot_mapping.to(at::kLong);
   const at::Tensor keep = slot.ge(0);

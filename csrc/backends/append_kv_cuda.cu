@@ -7,63 +7,45 @@
 
 #include "../check.h"
 #include "../kernels/kv_cache/kv_cache.h"
+#include "append_kv_checks.h"
 
 namespace astrai::backends {
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name, int element_size) {
-  ASTR_CHECK(t.stride(-1) == 1, "append_kv: ", name,
-             " must have a contiguous last dim (stride 1), got strides ", t.strides());
-  ASTR_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "append_kv: ", name,
-             " must be 16-byte aligned");
+  ASTR_CHECK(t.stride(-1) == 1, name, ": the cuda append needs a contiguous last dim (stride 1), ",
+             "got strides ", t.strides());
+  ASTR_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+             ": the cuda append needs 16-byte aligned data");
   for (int64_t d = 0; d + 1 < t.dim(); ++d)
-    ASTR_CHECK((t.stride(d) * element_size) % 16 == 0 || t.size(d) == 1, "append_kv: ", name,
-               " strides must be multiples of 16 bytes, got ", t.strides());
+    ASTR_CHECK((t.stride(d) * element_size) % 16 == 0 || t.size(d) == 1, name,
+               ": the cuda append needs strides that are multiples of 16 bytes, got ", t.strides());
 }
 
 // Mutable pools as at::Tensor& (schema Tensor(a!)): every kernel of one op must share one C++
 // signature, and the CPU kernel (append_kv_cpu) takes them that way.
 void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                const at::Tensor& slot_mapping) {
-  ASTR_CHECK(k.is_cuda(), "append_kv: k must be a CUDA tensor, got device ", k.device());
+  // The checks every device shares (one device, dtypes, shapes), then this kernel's own rules;
+  // all before the launch, which writes both pools.
+  astr::check_append_kv_args(k, v, k_cache, v_cache, slot_mapping);
   const at::Device device = k.device();
-  for (const auto& [t, name] : {std::pair{&v, "v"},
-                                {&k_cache, "k_cache"},
-                                {&v_cache, "v_cache"},
-                                {&slot_mapping, "slot_mapping"}}) {
-    ASTR_CHECK(t->is_cuda() && t->device() == device, "append_kv: ", name,
-               " must be a CUDA tensor on ", device, " (the device of k), got ", t->device());
-  }
   const at::ScalarType dtype = k.scalar_type();
-  ASTR_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat,
-             "append_kv: k must be bfloat16, float16 or float32, got ", dtype);
-  for (const auto& [t, name] : {std::pair{&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}})
-    ASTR_CHECK(t->scalar_type() == dtype, "append_kv: ", name, " must have the dtype of k (", dtype,
-               "), got ", t->scalar_type());
-  ASTR_CHECK(k.dim() == 3, "append_kv: k must have shape [T, Hkv, D] (rank 3), got ", k.sizes());
-  ASTR_CHECK(v.sizes() == k.sizes(), "append_kv: v shape ", v.sizes(), " must equal k shape ",
-             k.sizes());
-  ASTR_CHECK(k_cache.dim() == 4, "append_kv: k_cache must have shape [P, S, Hkv, D] (rank 4), got ",
-             k_cache.sizes());
-  ASTR_CHECK(v_cache.sizes() == k_cache.sizes(), "append_kv: v_cache shape ", v_cache.sizes(),
-             " must equal k_cache shape ", k_cache.sizes());
-  ASTR_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
-             "append_kv: k_cache [P, S, Hkv, D] = ", k_cache.sizes(),
-             " must match k [T, Hkv, D] = ", k.sizes(), " in Hkv and D");
-  ASTR_CHECK(slot_mapping.scalar_type() == at::kInt, "append_kv: slot_mapping must be int32, got ",
-             slot_mapping.scalar_type());
-  ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0),
-             "append_kv: slot_mapping must have shape [T] with T = ", k.size(0), ", got ",
-             slot_mapping.sizes());
-  ASTR_CHECK(slot_mapping.is_contiguous(), "append_kv: slot_mapping must be contiguous");
+  ASTR_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat, "k: dtype ",
+             dtype, " is not supported by the cuda append (bfloat16, float16, float32)");
+  // The kernel copies k and v rows of one size.
+  ASTR_CHECK(v.sizes() == k.sizes(), "v: shape ", v.sizes(), " must equal k's ", k.sizes(),
+             " on CUDA (the cuda append copies k and v rows of one head_dim)");
+  ASTR_CHECK(slot_mapping.is_contiguous(), "slot_mapping: expected a contiguous tensor");
   const int element_size = static_cast<int>(k.element_size());
-  ASTR_CHECK((k.size(2) * element_size) % 16 == 0, "append_kv: k head dim ", k.size(2),
-             " times the element size must be a multiple of 16 bytes");
+  ASTR_CHECK((k.size(2) * element_size) % 16 == 0, "k: head_dim ", k.size(2),
+             " times the element size must be a multiple of 16 bytes for the cuda append");
   check_rows(k, "k", element_size);
   check_rows(v, "v", element_size);
   check_rows(k_cache, "k_cache", element_size);
   check_rows(v_cache, "v_cache", element_size);
-  ASTR_CHECK(k.size(0) <= INT32_MAX, "append_kv: too many tokens");
+  ASTR_CHECK(k.size(0) <= INT32_MAX, "k: ", k.size(0),
+             " tokens is more than one cuda append takes");
 
   kernels::AppendKVParams params{};
   params.k = k.data_ptr();

@@ -1,5 +1,7 @@
 #include "override_stack.h"
 
+#include <algorithm>
+#include <atomic>
 #include <stdexcept>
 
 #include "call_description.h"
@@ -8,7 +10,10 @@ namespace astr::dispatch {
 
 namespace {
 constexpr const char kPythonMarker[] = "python:";
-}
+
+// Process-wide, so that an id handed out on one thread never names an entry of another.
+std::atomic<uint64_t> next_entry_id{1};
+}  // namespace
 
 bool is_python_backend_marker(const std::string& name) {
   return name.rfind(kPythonMarker, 0) == 0 && name.size() > sizeof(kPythonMarker) - 1;
@@ -19,22 +24,32 @@ OverrideStack& OverrideStack::current() {
   return stack;
 }
 
-void OverrideStack::push(const std::string& name) {
+uint64_t OverrideStack::push(const std::string& name) {
   if (!parse_backend(name) && !is_python_backend_marker(name)) {
     throw std::invalid_argument("unknown attention backend '" + name +
                                 "' (valid: " + valid_backend_names() + ")");
   }
-  names_.push_back(name);
+  const uint64_t id = next_entry_id.fetch_add(1, std::memory_order_relaxed);
+  entries_.push_back({id, name});
+  return id;
 }
 
 void OverrideStack::pop() {
-  if (names_.empty()) throw std::logic_error("attention backend override stack is empty");
-  names_.pop_back();
+  if (entries_.empty()) throw std::logic_error("attention backend override stack is empty");
+  entries_.pop_back();
+}
+
+bool OverrideStack::remove(uint64_t id) {
+  const auto found = std::find_if(entries_.rbegin(), entries_.rend(),
+                                  [id](const Entry& entry) { return entry.id == id; });
+  if (found == entries_.rend()) return false;
+  entries_.erase(std::next(found).base());
+  return true;
 }
 
 std::optional<std::string> OverrideStack::top() const {
-  if (names_.empty()) return std::nullopt;
-  return names_.back();
+  if (entries_.empty()) return std::nullopt;
+  return entries_.back().name;
 }
 
 }  // namespace astr::dispatch

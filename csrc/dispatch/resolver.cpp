@@ -138,8 +138,14 @@ Selection select_backend(const std::string& argument, const std::optional<std::s
     if (parse_backend(environment)) return {SelectionSource::kEnvironment, environment};
     static std::mutex mutex;
     static std::set<std::string> warned;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (warned.insert(environment).second && warn != nullptr) {
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      first = warned.insert(environment).second;
+    }
+    // Outside the lock: `warn` may wait for Python's GIL, which another thread can hold while it
+    // waits for this lock.
+    if (first && warn != nullptr) {
       warn("ASTR_BACKEND='" + environment + "' is not a backend (valid: " + valid_backend_names() +
            "); ignoring it");
     }

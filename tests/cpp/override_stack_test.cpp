@@ -48,6 +48,45 @@ TEST_F(OverrideStackTest, PopOnEmptyStackThrows) {
   EXPECT_THROW(OverrideStack::current().pop(), std::logic_error);
 }
 
+TEST_F(OverrideStackTest, RemoveTakesItsOwnEntryWhereverItIs) {
+  // Tasks sharing a thread exit their contexts interleaved: the entry to remove is not the top.
+  auto& stack = OverrideStack::current();
+  const uint64_t outer = stack.push("torch_native");
+  const uint64_t middle = stack.push("cuda");
+  const uint64_t inner = stack.push("flash");
+  EXPECT_TRUE(stack.remove(middle));
+  EXPECT_EQ(stack.depth(), 2u);
+  EXPECT_EQ(stack.top(), "flash");
+  EXPECT_TRUE(stack.remove(inner));
+  EXPECT_EQ(stack.top(), "torch_native");
+  EXPECT_TRUE(stack.remove(outer));
+  EXPECT_FALSE(stack.top().has_value());
+}
+
+TEST_F(OverrideStackTest, RemovingAnUnknownOrRemovedIdChangesNothing) {
+  auto& stack = OverrideStack::current();
+  const uint64_t id = stack.push("cuda");
+  EXPECT_FALSE(stack.remove(id + 1000));
+  EXPECT_TRUE(stack.remove(id));
+  stack.push("torch_native");
+  EXPECT_FALSE(stack.remove(id));  // removed once already
+  EXPECT_EQ(stack.top(), "torch_native");
+}
+
+TEST_F(OverrideStackTest, IdsAreUniqueAcrossThreads) {
+  // An id from another thread never names an entry of this one.
+  uint64_t other = 0;
+  std::thread thread([&] {
+    other = OverrideStack::current().push("cuda");
+    OverrideStack::current().clear();
+  });
+  thread.join();
+  const uint64_t mine = OverrideStack::current().push("torch_native");
+  EXPECT_NE(mine, other);
+  EXPECT_FALSE(OverrideStack::current().remove(other));
+  EXPECT_EQ(OverrideStack::current().top(), "torch_native");
+}
+
 TEST_F(OverrideStackTest, EachThreadSeesOnlyItsOwnPushes) {
   std::barrier both_pushed(2);
   std::string seen_a, seen_b;

@@ -142,6 +142,16 @@ TEST(ResolveBackend, ExplicitPythonBackendCannotRunInCpp) {
   EXPECT_NE(decision.error.find("written in Python"), std::string::npos);
 }
 
+TEST(ResolveBackend, StrictChoiceOfAnUnknownNameIsAnErrorNotACrash) {
+  // Callers validate names first; a name that slips through must not be dereferenced as a backend.
+  for (const char* name : {"nope", ""}) {
+    Selection context{SelectionSource::kContext, name};
+    Decision decision = resolve_backend(paged_decode(), context, all_available());
+    EXPECT_FALSE(decision.chosen.has_value());
+    EXPECT_NE(decision.error.find("is not a backend"), std::string::npos) << decision.error;
+  }
+}
+
 TEST(ResolveBackend, UnavailableBackendsAreSkippedWithTheirReason) {
   Decision decision = resolve_backend(paged_decode(), {}, only_torch_native());
   ASSERT_TRUE(decision.chosen.has_value());

@@ -905,11 +905,11 @@ def test_append_kv_rejects_bad_arguments():
     vc = torch.randn_like(kc)
     k = torch.randn(3, 2, 64, device="cuda", dtype=torch.bfloat16)
     slots = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="slot_mapping must be int32"):
+    with pytest.raises(RuntimeError, match="slot_mapping: expected dtype int32"):
         torch.ops.astr.append_kv(k, k, kc, vc, slots.long())
-    with pytest.raises(RuntimeError, match="k_cache must have the dtype of k"):
+    with pytest.raises(RuntimeError, match="k: dtype BFloat16 does not match k_cache's Half"):
         torch.ops.astr.append_kv(k, k, kc.half(), vc, slots)
-    with pytest.raises(RuntimeError, match=r"k must have shape \[T, Hkv, D\]"):
+    with pytest.raises(RuntimeError, match="k: expected a 3-D tensor"):
         torch.ops.astr.append_kv(k[0], k[0], kc, vc, slots)
-    with pytest.raises(RuntimeError, match="v must be a CUDA tensor"):
+    with pytest.raises(RuntimeError, match="v: expected a tensor on cuda"):
         torch.ops.astr.append_kv(k, k.cpu(), kc, vc, slots)

@@ -1,10 +1,10 @@
 """The public attention API: ``attention``, ``attn_backend``, ``get_backend``, ``explain``.
 
 Every choice among the built-in backends is made by the C++ resolver (csrc/dispatch):
-per-call ``backend=`` > ``attn_backend(...)`` context (thread-local) > ``ASTR_BACKEND`` >
-default priority cuda > flash > torch_native. An explicit choice (argument or context) is
-strict; ASTR_BACKEND and the default fall back to the next capable backend. Backends written
-in Python are run here, since C++ cannot call them.
+per-call ``backend=`` > ``attn_backend(...)`` context (task-local: see ``attn_backend``) >
+``ASTR_BACKEND`` > default priority cuda > flash > torch_native. An explicit choice (argument
+or context) is strict; ASTR_BACKEND and the default fall back to the next capable backend.
+Backends written in Python are run here, since C++ cannot call them.
 """
 
 from __future__ import annotations
@@ -17,9 +17,19 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from .base import CONTEXT, AttentionBackend
+from .base import (
+    NATIVE_ENTRIES,
+    TASK_CONTEXTS,
+    THREAD_CONTEXTS,
+    AttentionBackend,
+    ContextEntry,
+    pop_context,
+    push_context,
+    task_context,
+    thread_context,
+)
 from .builtin import BuiltinBackend
-from .call import Variants, attention_op_args, run_builtin
+from .call import Variants, attention_op_args, paged_query_tokens, run_builtin
 from .cuda import CudaBackend
 from .factory import AttentionBackendFactory, _instance
 from .flash import FlashAttnBackend, probe_flash
@@ -59,6 +69,8 @@ def _priority_backends() -> List[AttentionBackend]:
     return [_instance(cls) for cls in BUILTIN_BACKENDS if _is_available(cls)]
 
 
+_BUILTIN_NAMES = frozenset(backend.value for backend in ATTN_BACKEND)
+
 BackendSpec = Union[str, ATTN_BACKEND, AttentionBackend, type, None]
 
 
@@ -77,27 +89,68 @@ def _as_backend(spec: BackendSpec) -> AttentionBackend:
 
 
 class attn_backend:
-    """Select a backend for the calls made inside the ``with`` block, on this thread only.
-    Strict: a call it cannot run raises, naming every backend and why it was rejected."""
+    """Select a backend for the calls made inside the ``with`` block. Strict: a call it cannot
+    run raises, naming every backend and why it was rejected.
+
+    Task-local for calls through this module (``attention``, ``explain``, ``get_backend``): a
+    thread sees only its own contexts, and an asyncio task only its own and those open where it
+    was created. Compiled code and direct ``torch.ops.astr`` calls see the thread's innermost
+    open context, whichever task entered it (torch.compile cannot guard on a contextvar). An
+    exit removes its own context, in whatever order contexts are exited."""
 
     def __init__(self, backend: BackendSpec):
         self.backend = _as_backend(backend)
+        self._entries: List[ContextEntry] = []  # one per entry of this object still open
 
     def __enter__(self) -> AttentionBackend:
-        return self.backend.__enter__()
+        self._entries.append(push_context(self.backend))
+        return self.backend
 
     def __exit__(self, *exc_info):
-        return self.backend.__exit__(*exc_info)
+        if not self._entries:
+            raise RuntimeError(f"attn_backend: {self.backend!r} is not an open context here")
+        pop_context(self.backend, self._entries.pop())
+        return False
+
+
+# Bound once: the two functions below run on every call, where each attribute lookup shows.
+_is_compiling = torch.compiler.is_compiling
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_task_contexts = TASK_CONTEXTS.get
+
+
+def _context_entry() -> Optional[ContextEntry]:
+    """The context a call runs under: the task's, except while dynamo traces: the thread's (it
+    cannot read a contextvar, and can guard on the thread's list)."""
+    if _is_dynamo_compiling():
+        return thread_context()
+    return task_context()
+
+
+def _environment_selection() -> str:
+    """ASTR_BACKEND in the form of the op's ``selection`` argument, read here; the op warns
+    about (and ignores) a name that is not a backend."""
+    value = os.environ.get("ASTR_BACKEND", "")
+    return f"environment:{value}" if value else ""
 
 
 def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
-    """The selected backend: this thread's innermost context, else ASTR_BACKEND, else (when
-    ``use_default``) the first available backend in priority order."""
-    if CONTEXT.backends:
-        return CONTEXT.backends[-1]
-    selected = torch.ops.astr.selected_backend()  # "environment:<name>" or ""
-    if selected.startswith("environment:"):
-        return AttentionBackendFactory.create(selected.split(":", 1)[1])
+    """The selected backend: the innermost ``attn_backend`` context, else ASTR_BACKEND when it
+    names a backend that can run here, else (when ``use_default``) the first available backend
+    in priority order. An ASTR_BACKEND that cannot run here (e.g. ``cuda`` without a GPU) is
+    skipped, as calls skip it."""
+    entry = _context_entry()
+    if entry is not None:
+        return entry.backend
+    if not THREAD_CONTEXTS.entries:
+        selected = torch.ops.astr.selected_backend()  # warns once about an unknown name
+    else:  # another task's context is on this thread's C++ stack: read the environment here
+        selected = _environment_selection()
+    name = selected.split(":", 1)[1] if selected.startswith("environment:") else ""
+    if name in _BUILTIN_NAMES:
+        backend = AttentionBackendFactory.create(name)
+        if backend.available():
+            return backend
     if not use_default:
         return None
     return _priority_backends()[0]
@@ -106,7 +159,14 @@ def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
 def _python_backend(backend: BackendSpec) -> Optional[AttentionBackend]:
     """The backend written in Python that must run this call, if any."""
     if backend is None:
-        chosen = CONTEXT.backends[-1] if CONTEXT.backends else None
+        if _is_dynamo_compiling():  # dynamo cannot read a contextvar
+            entry = thread_context()
+        else:  # (task_context, inlined where nothing was withdrawn: this runs on every call)
+            entries = _task_contexts()
+            entry = entries[-1] if entries else None
+            if entry is not None and entry.withdrawn:
+                entry = task_context()
+        chosen = entry.backend if entry is not None else None
     else:
         chosen = _as_backend(backend)
     if chosen is not None and not isinstance(chosen, BuiltinBackend):
@@ -144,15 +204,31 @@ _ENV_CHOICES = tuple(
 
 
 def _observed_selection() -> Optional[str]:
-    """While torch.compile traces: the thread's context and ASTR_BACKEND in the form of
-    ``torch.ops.astr.selected_backend()`` ("context:NAME", "environment:NAME" or ""), read in
-    Python so that the compiler guards on them, and passed to the op so that the graph records
-    them (a cached graph traced under another selection is then never reused). None in eager
-    code, where the C++ resolver reads them itself."""
-    if not torch.compiler.is_compiling():
-        return None
-    if CONTEXT.backends:  # a Python backend on top never reaches here (see attention)
-        return f"context:{CONTEXT.backends[-1].name}"
+    """The selection the op must use instead of reading the thread's C++ override stack, in the
+    form of ``torch.ops.astr.selected_backend()`` ("context:NAME", "environment:NAME" or "").
+
+    Eager code: None (the C++ resolver reads the stack and ASTR_BACKEND itself) unless the
+    stack's top is another task's context; then this task's context, or ASTR_BACKEND.
+
+    While torch.compile traces: the thread's context and ASTR_BACKEND, read in Python so that
+    the compiler guards on them, and passed to the op so that the graph records them (a cached
+    graph traced under another selection is then never reused)."""
+    if not _is_compiling():  # runs on every call: kept to a few lookups
+        task = _task_contexts()
+        if not task and not NATIVE_ENTRIES:
+            return None  # no context anywhere
+        on_thread = THREAD_CONTEXTS.entries  # the C++ stack's mirror: its top is what C++ reads
+        top = task[-1] if task else None
+        if top is not None and top.withdrawn:
+            top = task_context()
+        if top is None:
+            return _environment_selection() if on_thread else None
+        if on_thread and on_thread[-1] is top:
+            return None
+        return f"context:{top.backend.name}"  # a Python backend never reaches here
+    entry = _context_entry()
+    if entry is not None:  # a Python backend on top never reaches here (see attention)
+        return f"context:{entry.backend.name}"
     if _ENVIRONMENT is None:
         return ""
     value = _ENVIRONMENT.get(_ENV_KEY)
@@ -273,16 +349,26 @@ def explain(
     if python_backend is not None:
         return Decision(type(python_backend).__name__, "argument" if backend else "context")
     name = _builtin_name(backend)
+    selection = _observed_selection() if name is None else None
     variant_args = dict(
         window_left=window_left, softcap=softcap, sinks=sinks, return_lse=return_lse
     )
     if kv_cache is None:
         text = torch.ops.astr.explain(
-            q, k, v, attn_mask, is_causal, scale, mode=fwd, backend=name, **variant_args
+            q,
+            k,
+            v,
+            attn_mask,
+            is_causal,
+            scale,
+            mode=fwd,
+            backend=name,
+            selection=selection,
+            **variant_args,
         )
     else:
         k_pool, v_pool = kv_cache.layer(layer_id)
-        q_tokens = q.reshape(-1, q.shape[-2], q.shape[-1])
+        q_tokens = paged_query_tokens(q)
         text = torch.ops.astr.explain(
             q_tokens,
             None,
@@ -290,6 +376,7 @@ def explain(
             k_cache=k_pool,
             v_cache=v_pool,
             backend=name,
+            selection=selection,
             **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
             **variant_args,
         )

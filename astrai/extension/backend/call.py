@@ -9,6 +9,16 @@ from typing import Optional
 import torch
 
 
+def paged_query_tokens(q):
+    """The query of a call over a KV cache as tokens ``[T, q_heads, head_dim]``."""
+    if q.dim() < 2:
+        raise RuntimeError(
+            f"q: expected [batch, q_len, q_heads, head_dim] for a call over kv_cache, got shape "
+            f"{list(q.shape)}"
+        )
+    return q.reshape(-1, q.shape[-2], q.shape[-1])
+
+
 @dataclass(frozen=True)
 class Variants:
     """The attention variants of one call (csrc/kernels/paged_attention/params.h defines them)."""
@@ -78,9 +88,9 @@ def run_builtin(
             **variants.op_args(),
         )
     k_pool, v_pool = kv_cache.layer(layer_id)
+    q_tokens = paged_query_tokens(q)  # [T, Hq, D]; checked before anything is appended
     if k is not None:
         kv_cache.append(layer_id, k, v)
-    q_tokens = q.reshape(-1, q.shape[-2], q.shape[-1])  # [T, Hq, D]
     result = torch.ops.astr.attention(
         q_tokens,
         None,

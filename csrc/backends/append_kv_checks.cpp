@@ -1,0 +1,86 @@
+#include "append_kv_checks.h"
+
+#include <string>
+#include <utility>
+
+#include "../check.h"
+#include "../ops.h"
+
+namespace astr {
+
+namespace {
+
+// "[3, 2, 16]", "?" for a size only known symbolically.
+std::string sizes_string(const at::Tensor& t) {
+  std::string text = "[";
+  const auto sizes = t.sym_sizes();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (d) text += ", ";
+    const auto value = sizes[d].maybe_as_int();
+    text += value ? std::to_string(*value) : std::string("?");
+  }
+  return text + "]";
+}
+
+std::string size_string(const c10::SymInt& size) {
+  const auto value = size.maybe_as_int();
+  return value ? std::to_string(*value) : std::string("?");
+}
+
+}  // namespace
+
+void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const std::pair<const at::Tensor*, const char*> others[] = {
+      {&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}};
+  for (auto [t, name] : others) {
+    ASTR_CHECK(t->device() == k.device(), name, ": expected a tensor on ", k.device(),
+               " (the device of k), got ", t->device());
+  }
+  ASTR_CHECK(k.dim() == 3, "k: expected a 3-D tensor [tokens, kv_heads, head_dim], got shape ",
+             sizes_string(k));
+  ASTR_CHECK(v.dim() == 3, "v: expected a 3-D tensor [tokens, kv_heads, head_dim], got shape ",
+             sizes_string(v));
+  ASTR_CHECK(k_cache.dim() == 4,
+             "k_cache: expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got "
+             "shape ",
+             sizes_string(k_cache));
+  ASTR_CHECK(v_cache.dim() == 4,
+             "v_cache: expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got "
+             "shape ",
+             sizes_string(v_cache));
+  ASTR_CHECK(k.scalar_type() == k_cache.scalar_type(), "k: dtype ", k.scalar_type(),
+             " does not match k_cache's ", k_cache.scalar_type());
+  ASTR_CHECK(v.scalar_type() == v_cache.scalar_type(), "v: dtype ", v.scalar_type(),
+             " does not match v_cache's ", v_cache.scalar_type());
+  ASTR_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache: dtype ",
+             v_cache.scalar_type(), " does not match k_cache's ", k_cache.scalar_type());
+  // The slot mapping addresses both pools: they must agree in pages, page size and heads.
+  ASTR_CHECK(v_cache.sym_size(0) == k_cache.sym_size(0) &&
+                 v_cache.sym_size(1) == k_cache.sym_size(1) &&
+                 v_cache.sym_size(2) == k_cache.sym_size(2),
+             "v_cache: shape ", sizes_string(v_cache), " does not match k_cache's ",
+             sizes_string(k_cache), " in num_pages, page_size and kv_heads");
+  ASTR_CHECK(k.sym_size(1) == k_cache.sym_size(2) && k.sym_size(2) == k_cache.sym_size(3),
+             "k: shape ", sizes_string(k), " does not match k_cache's heads/dim [",
+             size_string(k_cache.sym_size(2)), ", ", size_string(k_cache.sym_size(3)), "]");
+  ASTR_CHECK(v.sym_size(1) == v_cache.sym_size(2) && v.sym_size(2) == v_cache.sym_size(3),
+             "v: shape ", sizes_string(v), " does not match v_cache's heads/dim [",
+             size_string(v_cache.sym_size(2)), ", ", size_string(v_cache.sym_size(3)), "]");
+  ASTR_CHECK(v.sym_size(0) == k.sym_size(0), "v: ", size_string(v.sym_size(0)), " tokens, k has ",
+             size_string(k.sym_size(0)));
+  ASTR_CHECK(slot_mapping.scalar_type() == at::kInt, "slot_mapping: expected dtype int32, got ",
+             slot_mapping.scalar_type());
+  ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.sym_size(0) == k.sym_size(0),
+             "slot_mapping: expected [tokens] = [", size_string(k.sym_size(0)), "], got shape ",
+             sizes_string(slot_mapping));
+}
+
+void append_kv_meta(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  // Meta tensors hold no data: there is nothing to write, but a call that would fail on a real
+  // device fails here too (also a real tensor mixed with meta ones, which dispatches here).
+  check_append_kv_args(k, v, k_cache, v_cache, slot_mapping);
+}
+
+}  // namespace astr
