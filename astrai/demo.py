@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - make demo installs it
 
 from astrai.extension import attn_backend
 from astrai.extension.backend.attention import _priority_backends
+from astrai.extension.kv_cache import tokens_that_fit
 from astrai.integrations import transformers as astrai_transformers
 
 
@@ -202,11 +203,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     lengths = torch.randint(4, 400 if on_gpu else 48, (num_prompts,), generator=generator)
     prompts = [torch.randint(1, vocab, (int(n),), generator=generator).tolist() for n in lengths]
     config = model.config
+    cache_shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
     print(
         f"astrai demo: transformers {transformers.__version__} Llama, {config.num_hidden_layers} "
         f"layers, GQA {config.num_attention_heads}/{config.num_key_value_heads}, head_dim "
         f"{config.head_dim}, {model.dtype}, {device} (random weights)"
     )
+
+    memory = 1 << 30
+    fits = [
+        f"{str(dtype).replace('torch.', '')} {tokens_that_fit(memory, *cache_shape, dtype):,}"
+        for dtype in (model.dtype, torch.float8_e4m3fn)
+    ]
+    print(f"tokens whose K and V (every layer) fit in 1 GiB of KV cache: {', '.join(fits)}")
 
     if on_gpu:
         generate = batched_generate

@@ -66,9 +66,7 @@ void check_same_device(const at::Tensor& q, const at::Tensor& t, const char* nam
              " (the device of q), got ", t.device());
 }
 
-bool is_fp8(at::ScalarType type) {
-  return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
-}
+bool is_fp8(at::ScalarType type) { return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2; }
 
 // A KV-cache pool: q's dtype, or FP8 (the same for both pools; read as stored * scale).
 void check_cache_like_q(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& k_cache,

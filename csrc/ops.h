@@ -81,11 +81,15 @@ std::string check_backend(c10::string_view backend, const at::Tensor& q,
 // Writes k/v [T,Hkv,D] into the pools [P,S,Hkv,D] at slot_mapping [T] (int32, page*S+offset;
 // negative: skip). CPU kernel here; CUDA kernel in csrc/backends/append_kv_cuda.cu.
 void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                   at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                   at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                   const std::optional<at::Tensor>& k_scale,  // FP8 pools: float32 [Hkv]
+                   const std::optional<at::Tensor>& v_scale);
 // The Meta kernel: the same checks (csrc/backends/append_kv_checks.h), nothing written. Fake
 // tensors run it while torch.compile traces.
 void append_kv_meta(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale);
 
 // Override stack, environment and status: the Python API's handles on csrc/dispatch.
 int64_t push_backend(c10::string_view name);  // -> the entry's id, for pop_backend

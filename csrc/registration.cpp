@@ -32,10 +32,11 @@ TORCH_LIBRARY(astr, m) {
   m.def("merge_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
   m.impl("merge_states", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::merge_states));
 
-  // Writes new tokens' k/v into the paged pools through the slot mapping (mutates both pools).
+  // Writes new tokens' k/v into the paged pools through the slot mapping (mutates both pools);
+  // into FP8 pools as fp8(clamp(x / scale)) with the per-kv-head scales.
   m.def(
       "append_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
   m.impl("append_kv", c10::DispatchKey::CPU, TORCH_FN(astr::append_kv_cpu));
   // Meta (and fake tensors): checks only. A real tensor mixed with meta ones dispatches here too,
   // and is refused instead of returning with nothing written.

@@ -4,6 +4,13 @@ they grow, and each step's metadata built on the host and copied to the device i
 Pool layout: ``[num_pages, page_size, kv_heads, head_dim]``. A sequence's tokens live in the
 pages its block-table row lists, in order; token ``i`` is at slot ``page * page_size + i %
 page_size`` of page ``block_table[b, i // page_size]``.
+
+FP8 caches (``dtype=torch.float8_e4m3fn`` or ``torch.float8_e5m2``) keep one byte per element
+and a float32 scale per layer and kv head (``k_scales[layer]``, ``v_scales[layer]``, 1.0 at
+first): a token is stored as ``fp8(clamp(x / scale, -max, max))`` and read as
+``stored.float() * scale``. The model stays in bf16/fp16. Set the scales before the first
+tokens are written (``set_scales``, or ``scales_from`` on the first prefill's k/v): a page
+written under one scale is read with whatever the scale is at read time.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 from . import ops
 
 SUPPORTED_PAGE_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ..., 256
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class KVCacheFullError(RuntimeError):
@@ -95,6 +103,15 @@ class PagedKVCache:
         self.v_pools = [
             torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+        # FP8 pools: per-layer, per-kv-head dequantization scales (module docstring).
+        self.k_scales: List[torch.Tensor] = []
+        self.v_scales: List[torch.Tensor] = []
+        if self.is_fp8:
+            self.k_scales = [
+                torch.ones(num_kv_heads, dtype=torch.float32, device=self.device)
+                for _ in range(num_layers)
+            ]
+            self.v_scales = [s.clone() for s in self.k_scales]
         self._free_pages: List[int] = list(range(num_pages - 1, -1, -1))  # pop() takes page 0 first
         self._pages: Dict[int, List[int]] = {}
         self._lengths: Dict[int, int] = {}
@@ -131,6 +148,55 @@ class PagedKVCache:
         if not 0 <= layer_id < self.num_layers:
             raise IndexError(f"layer_id: {layer_id} out of range for {self.num_layers} layers")
         return self.k_pools[layer_id], self.v_pools[layer_id]
+
+    # -- FP8 scales ------------------------------------------------------------------------
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    def scales(self, layer_id: int) -> tuple:
+        """(k_scale, v_scale) of a layer: float32 [kv_heads] for FP8 pools, (None, None) else."""
+        self.layer(layer_id)  # checks layer_id
+        if not self.is_fp8:
+            return None, None
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
+    def set_scales(self, layer_id: int, k_scale, v_scale) -> None:
+        """Set a layer's FP8 scales: each a positive finite float or a float32 ``[kv_heads]``
+        tensor. Copied in place, so a captured CUDA graph sees the new values."""
+        if not self.is_fp8:
+            raise ValueError(f"set_scales: the cache holds {self.dtype}, not an FP8 dtype")
+        self.layer(layer_id)
+        new = []
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            tensor = torch.as_tensor(value, dtype=torch.float32)
+            if tensor.dim() == 0:
+                tensor = tensor.expand(self.num_kv_heads)
+            if tuple(tensor.shape) != (self.num_kv_heads,):
+                raise ValueError(
+                    f"{name}: expected a float or [kv_heads={self.num_kv_heads}], got shape "
+                    f"{tuple(tensor.shape)}"
+                )
+            host = tensor.detach().cpu()
+            if not bool(torch.isfinite(host).all()) or not bool((host > 0).all()):
+                raise ValueError(f"{name}: expected positive finite scales, got {host.tolist()}")
+            new.append(tensor)
+        self.k_scales[layer_id].copy_(new[0])
+        self.v_scales[layer_id].copy_(new[1])
+
+    def scales_from(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Set a layer's FP8 scales from data, per kv head: amax / the format's largest value
+        (so the largest |x| maps onto it). Call it on the first prefill's k/v
+        ``[..., kv_heads, head_dim]``, before appending them; an all-zero head keeps scale 1."""
+        if not self.is_fp8:
+            raise ValueError(f"scales_from: the cache holds {self.dtype}, not an FP8 dtype")
+        largest = torch.finfo(self.dtype).max
+        scales = []
+        for tensor in (k, v):
+            amax = tensor.detach().reshape(-1, self.num_kv_heads, tensor.shape[-1]).abs()
+            amax = amax.amax(dim=(0, 2)).float()
+            scales.append(torch.where(amax > 0, amax / largest, torch.ones_like(amax)))
+        self.set_scales(layer_id, scales[0], scales[1])
 
     # -- steps ---------------------------------------------------------------------------
     def begin_step(
@@ -257,13 +323,31 @@ class PagedKVCache:
                     f"{name}: {tokens} tokens (shape {tuple(tensor.shape)}), but this step "
                     f"(begin_step) adds {step_tokens} new tokens"
                 )
+        k_scale, v_scale = self.scales(layer_id)
         ops.append_kv(
             k.reshape(-1, self.num_kv_heads, self.head_dim),
             v.reshape(-1, self.num_kv_heads, self.head_dim_v),
             k_pool,
             v_pool,
             self.step.slot_mapping,
+            k_scale,
+            v_scale,
         )
+
+
+def tokens_that_fit(
+    memory_bytes: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    head_dim_v: Optional[int] = None,
+) -> int:
+    """How many tokens' K and V (every layer) a cache of ``memory_bytes`` holds with elements of
+    ``dtype``: an FP8 cache holds twice a bf16 one's (its scales are a few bytes per layer)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    per_token = num_layers * num_kv_heads * (head_dim + (head_dim_v or head_dim)) * element
+    return memory_bytes // per_token
 
 
 def _as_count(name: str, value) -> int:

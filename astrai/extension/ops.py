@@ -81,8 +81,10 @@ def append_kv(
     k_cache: torch.Tensor,  # [P, S, Hkv, D], written in place
     v_cache: torch.Tensor,  # [P, S, Hkv, Dv], written in place
     slot_mapping: torch.Tensor,  # int32 [T], page * S + offset; negative skips the token
+    k_scale: Optional[torch.Tensor] = None,  # FP8 pools: float32 [Hkv], quantized on write
+    v_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    torch.ops.astr.append_kv(k, v, k_cache, v_cache, slot_mapping)
+    torch.ops.astr.append_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def cuda_paged_attention(

@@ -30,7 +30,9 @@ std::string size_string(const c10::SymInt& size) {
 }  // namespace
 
 void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                          const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                          const std::optional<at::Tensor>& k_scale,
+                          const std::optional<at::Tensor>& v_scale) {
   const std::pair<const at::Tensor*, const char*> others[] = {
       {&v, "v"}, {&k_cache, "k_cache"}, {&v_cache, "v_cache"}, {&slot_mapping, "slot_mapping"}};
   for (auto [t, name] : others) {
@@ -49,12 +51,39 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
              "v_cache: expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got "
              "shape ",
              sizes_string(v_cache));
-  ASTR_CHECK(k.scalar_type() == k_cache.scalar_type(), "k: dtype ", k.scalar_type(),
-             " does not match k_cache's ", k_cache.scalar_type());
-  ASTR_CHECK(v.scalar_type() == v_cache.scalar_type(), "v: dtype ", v.scalar_type(),
-             " does not match v_cache's ", v_cache.scalar_type());
   ASTR_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache: dtype ",
              v_cache.scalar_type(), " does not match k_cache's ", k_cache.scalar_type());
+  if (is_fp8_pool(k_cache)) {
+    // Quantized on write: k and v stay in the model's dtype.
+    for (auto [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
+      const at::ScalarType type = t->scalar_type();
+      ASTR_CHECK(type == at::kBFloat16 || type == at::kHalf || type == at::kFloat, name,
+                 ": an FP8 pool takes new tokens in bfloat16, float16 or float32 (it quantizes "
+                 "them), got ",
+                 type);
+    }
+    ASTR_CHECK(v.scalar_type() == k.scalar_type(), "v: dtype ", v.scalar_type(),
+               " does not match k's ", k.scalar_type());
+    ASTR_CHECK(k_scale.has_value() && v_scale.has_value(), "k_scale, v_scale: an FP8 pool (",
+               k_cache.scalar_type(),
+               ") needs its float32 [kv_heads] scales (PagedKVCache.k_scales[layer])");
+    for (auto [scale, name] : {std::pair{&*k_scale, "k_scale"}, std::pair{&*v_scale, "v_scale"}}) {
+      ASTR_CHECK(scale->scalar_type() == at::kFloat && scale->dim() == 1 &&
+                     scale->sym_size(0) == k_cache.sym_size(2),
+                 name, ": expected a float32 tensor of shape [kv_heads] = [",
+                 size_string(k_cache.sym_size(2)), "], got ", scale->scalar_type(), " of shape ",
+                 sizes_string(*scale));
+      ASTR_CHECK(scale->device() == k.device(), name, ": expected a tensor on ", k.device(),
+                 " (the device of k), got ", scale->device());
+    }
+  } else {
+    ASTR_CHECK(k.scalar_type() == k_cache.scalar_type(), "k: dtype ", k.scalar_type(),
+               " does not match k_cache's ", k_cache.scalar_type());
+    ASTR_CHECK(v.scalar_type() == v_cache.scalar_type(), "v: dtype ", v.scalar_type(),
+               " does not match v_cache's ", v_cache.scalar_type());
+    ASTR_CHECK(!k_scale && !v_scale, "k_scale, v_scale: only for FP8 pools (these are ",
+               k_cache.scalar_type(), ")");
+  }
   // The slot mapping addresses both pools: they must agree in pages, page size and heads.
   ASTR_CHECK(v_cache.sym_size(0) == k_cache.sym_size(0) &&
                  v_cache.sym_size(1) == k_cache.sym_size(1) &&
@@ -77,10 +106,12 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
 }
 
 void append_kv_meta(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale) {
   // Meta tensors hold no data: there is nothing to write, but a call that would fail on a real
   // device fails here too (also a real tensor mixed with meta ones, which dispatches here).
-  check_append_kv_args(k, v, k_cache, v_cache, slot_mapping);
+  check_append_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
 
 }  // namespace astr

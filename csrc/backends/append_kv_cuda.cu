@@ -25,10 +25,12 @@ void check_rows(const at::Tensor& t, const char* name, int element_size) {
 // Mutable pools as at::Tensor& (schema Tensor(a!)): every kernel of one op must share one C++
 // signature, and the CPU kernel (append_kv_cpu) takes them that way.
 void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-               const at::Tensor& slot_mapping) {
+               const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+               const std::optional<at::Tensor>& v_scale) {
   // The checks every device shares (one device, dtypes, shapes), then this kernel's own rules;
   // all before the launch, which writes both pools.
-  astr::check_append_kv_args(k, v, k_cache, v_cache, slot_mapping);
+  astr::check_append_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  const bool fp8 = astr::is_fp8_pool(k_cache);
   const at::Device device = k.device();
   const at::ScalarType dtype = k.scalar_type();
   ASTR_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat, "k: dtype ",
@@ -42,8 +44,15 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
              " times the element size must be a multiple of 16 bytes for the cuda append");
   check_rows(k, "k", element_size);
   check_rows(v, "v", element_size);
-  check_rows(k_cache, "k_cache", element_size);
-  check_rows(v_cache, "v_cache", element_size);
+  const int pool_element_size = static_cast<int>(k_cache.element_size());
+  check_rows(k_cache, "k_cache", pool_element_size);
+  check_rows(v_cache, "v_cache", pool_element_size);
+  if (fp8) {
+    for (auto [scale, name] : {std::pair{&*k_scale, "k_scale"}, std::pair{&*v_scale, "v_scale"}})
+      ASTR_CHECK(scale->is_contiguous(), name, ": expected a contiguous tensor");
+    ASTR_CHECK((k.size(2) * pool_element_size) % 16 == 0, "k: head_dim ", k.size(2),
+               " must be a multiple of 16 for an FP8 pool (16-byte rows)");
+  }
   ASTR_CHECK(k.size(0) <= INT32_MAX, "k: ", k.size(0),
              " tokens is more than one cuda append takes");
 
@@ -71,6 +80,12 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   params.dtype = dtype == at::kBFloat16 ? kernels::ScalarType::kBFloat16
                  : dtype == at::kHalf   ? kernels::ScalarType::kFloat16
                                         : kernels::ScalarType::kFloat32;
+  params.cache_dtype = !fp8 ? params.dtype
+                       : k_cache.scalar_type() == at::kFloat8_e4m3fn
+                           ? kernels::ScalarType::kFloat8E4M3
+                           : kernels::ScalarType::kFloat8E5M2;
+  params.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
+  params.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
 
   const c10::cuda::CUDAGuard guard(device);
   const kernels::LaunchStatus status =

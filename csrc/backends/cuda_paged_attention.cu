@@ -303,7 +303,8 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
       dequantize.num_kv_heads = base.num_kv_heads;
       dequantize.head_dim = base.head_dim;
       dequantize.num_pages = k_cache.size(0);
-      const kernels::LaunchStatus dequantized = kernels::launch_dequantize_pages(dequantize, stream);
+      const kernels::LaunchStatus dequantized =
+          kernels::launch_dequantize_pages(dequantize, stream);
       ASTR_CHECK(dequantized.ok(), "cuda_paged_attention: ", dequantized.error);
       ASTR_CHECK(pages <= INT32_MAX, "cuda_paged_attention: too many pages for an FP8 prefill");
       params.k_cache = k_pages.data_ptr();

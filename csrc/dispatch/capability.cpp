@@ -30,7 +30,8 @@ bool is_fp8(ScalarKind kind) {
 
 // The cache's element type: q's own (every backend), or FP8 with per-head scales where
 // `fp8_cache` says the backend reads it (and then only with its scales, which only it takes).
-void check_kv_dtype(const CallDescription& call, bool fp8_cache, std::vector<std::string>& reasons) {
+void check_kv_dtype(const CallDescription& call, bool fp8_cache,
+                    std::vector<std::string>& reasons) {
   const bool fp8 = is_fp8(call.kv_dtype);
   if (call.kv_dtype != call.dtype && call.kv_dtype != ScalarKind::kOther && !(fp8 && fp8_cache)) {
     reasons.push_back(std::string("KV cache dtype ") + scalar_kind_name(call.kv_dtype) +

@@ -21,7 +21,6 @@ from tests.kernels.test_cuda_kernels import (
     poison_next_allocation,
     reference,
     splits_tuning,
-    tuning,  # noqa: F401  (fixture)
 )
 
 pytestmark = [
@@ -103,7 +102,7 @@ FORMS = [
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("splits,merge", FORMS)
-def test_decode_with_bad_metadata_poisons_only_its_sequence(case, splits, merge, tuning):  # noqa: F811
+def test_decode_with_bad_metadata_poisons_only_its_sequence(case, splits, merge, tuning):
     tuning(splits_tuning(splits), MERGE_TUNING[merge])
     g = torch.Generator(device="cuda").manual_seed(13)
     batch = PagedBatch([700, 900, 2000, 33], [1] * 4, 8, 2, 128, 16, torch.bfloat16, generator=g)
@@ -117,7 +116,7 @@ def test_decode_with_bad_metadata_poisons_only_its_sequence(case, splits, merge,
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
-def test_prefill_with_bad_metadata_poisons_only_its_sequence(case, kernel, tuning):  # noqa: F811
+def test_prefill_with_bad_metadata_poisons_only_its_sequence(case, kernel, tuning):
     tuning(f"prefill_kernel={kernel}")
     g = torch.Generator(device="cuda").manual_seed(17)
     batch = PagedBatch([700, 900, 2000], [50, 130, 64], 8, 2, 128, 16, torch.bfloat16, generator=g)
@@ -138,7 +137,7 @@ def test_decode_padding_slot_of_length_zero_is_zeros():
 
 
 @pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
-def test_prefill_with_a_broken_query_start_loc_stays_inside_its_tensors(kernel, tuning):  # noqa: F811
+def test_prefill_with_a_broken_query_start_loc_stays_inside_its_tensors(kernel, tuning):
     """A decreasing query_start_loc, one past the tokens, and more new tokens than max_query_len:
     the call completes (no access outside q and out: compute-sanitizer checks it), and the CUDA
     context survives."""

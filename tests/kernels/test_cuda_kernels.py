@@ -240,18 +240,6 @@ MERGE_TUNING = {
 }
 
 
-@pytest.fixture
-def tuning():
-    """Sets the kernel tuning for one test (a comma-separated string, see plan.h), automatic
-    again afterwards."""
-
-    def set_tuning(*parts):
-        ops.set_kernel_tuning(",".join(p for p in parts if p))
-
-    yield set_tuning
-    ops.set_kernel_tuning("")
-
-
 def splits_tuning(splits):
     return f"decode_splits={splits}" if splits else ""
 

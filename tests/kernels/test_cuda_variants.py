@@ -23,7 +23,6 @@ from tests.kernels.test_cuda_kernels import (
     needs_persistent_block,
     poison_next_allocation,
     splits_tuning,
-    tuning,  # noqa: F401  (fixture)
 )
 
 pytestmark = [
@@ -131,7 +130,7 @@ def make_sinks(hq, g):
     ],
 )
 @pytest.mark.parametrize("head_dim", [h for h in HEAD_DIMS if h in (64, 96, 128)])
-def test_decode_variants_match_reference(variant, splits, merge, head_dim, tuning):  # noqa: F811
+def test_decode_variants_match_reference(variant, splits, merge, head_dim, tuning):
     """Every decode form (forced; a form that cannot run here falls back to the plan's choice),
     each variant and all together; lengths 1 to 3000, one sequence shorter than its window."""
     tuning(splits_tuning(splits), MERGE_TUNING[merge])
@@ -147,7 +146,7 @@ def test_decode_variants_match_reference(variant, splits, merge, head_dim, tunin
 
 
 @pytest.fixture(params=["wgmma", "mma_sync"])
-def prefill_kernel(request, tuning):  # noqa: F811
+def prefill_kernel(request, tuning):
     tuning(f"prefill_kernel={request.param}")
     return request.param
 
@@ -190,7 +189,7 @@ def test_prefill_variants_with_a_mask_and_a_row_that_sees_nothing(prefill_kernel
 @pytest.mark.parametrize(
     "splits,merge", [(None, "auto"), (1, "eight"), (1, "persistent"), (2, "pairs"), (7, "auto")]
 )
-def test_decode_never_reads_tiles_wholly_outside_the_window(splits, merge, tuning):  # noqa: F811
+def test_decode_never_reads_tiles_wholly_outside_the_window(splits, merge, tuning):
     """NaN in slots the sequence owns but that lie two tiles or more before its window: the
     output stays finite, so those tiles were never read (cost follows the window)."""
     tuning(splits_tuning(splits), MERGE_TUNING[merge])
@@ -227,7 +226,7 @@ def test_prefill_never_reads_tiles_wholly_outside_the_window(prefill_kernel):
 @pytest.mark.parametrize(
     "splits,merge", [(None, "auto"), (1, "persistent"), (2, "pairs"), (2, "kernel")]
 )
-def test_decode_variants_under_cuda_graph_replay_with_growing_lengths(splits, merge, tuning):  # noqa: F811
+def test_decode_variants_under_cuda_graph_replay_with_growing_lengths(splits, merge, tuning):
     """One captured decode step with a window, a softcap, sinks and the lse, replayed as the
     sequences grow past the window."""
     tuning(splits_tuning(splits), MERGE_TUNING[merge])
@@ -277,7 +276,7 @@ def test_decode_variants_under_cuda_graph_replay_with_growing_lengths(splits, me
 
 
 @needs_persistent_block
-def test_persistent_decode_windows_items_of_every_length(tuning):  # noqa: F811
+def test_persistent_decode_windows_items_of_every_length(tuning):
     """The persistent decode's items start at their window's first tile: 61 ragged sequences on 5
     blocks, windows narrower and wider than the sequences."""
     tuning("decode_form=persistent,persistent_blocks=5")

@@ -377,7 +377,7 @@ def explain(
             v_cache=v_pool,
             backend=name,
             selection=selection,
-            **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
+            **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id),
             **variant_args,
         )
     data = json.loads(text)

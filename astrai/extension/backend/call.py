@@ -39,11 +39,14 @@ class Variants:
 NO_VARIANTS = Variants()
 
 
-def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale):
-    """Positional/keyword arguments of astr::attention for a paged call over ``kv_cache``."""
+def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id=0):
+    """Positional/keyword arguments of astr::attention for a paged call over ``kv_cache``
+    (an FP8 cache's scales of layer ``layer_id`` included)."""
     step = kv_cache.step
     if step is None:
         raise RuntimeError("kv_cache: call begin_step(...) before attention")
+    scales = getattr(kv_cache, "scales", None)
+    k_scale, v_scale = scales(layer_id) if scales is not None else (None, None)
     return dict(
         attn_mask=attn_mask,
         is_causal=is_causal,
@@ -53,6 +56,8 @@ def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale):
         query_start_loc=step.query_start_loc,
         max_query_len=step.max_query_len,
         mode=fwd or "prefill",
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -99,7 +104,7 @@ def run_builtin(
         v_cache=v_pool,
         backend=backend,
         selection=selection,
-        **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale),
+        **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id),
         **variants.op_args(),
     )
     if variants.return_lse:

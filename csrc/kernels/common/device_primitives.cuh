@@ -231,13 +231,13 @@ template <typename T>
 __host__ __device__ constexpr Fp8Conversion fp8_conversion(bool e5m2);
 template <>
 __host__ __device__ constexpr Fp8Conversion fp8_conversion<__nv_bfloat16>(bool e5m2) {
-  return e5m2 ? Fp8Conversion{3, 0x0FE00FE0u, 0x77807780u} : Fp8Conversion{4, 0x07F007F0u,
-                                                                          0x7B807B80u};
+  return e5m2 ? Fp8Conversion{3, 0x0FE00FE0u, 0x77807780u}
+              : Fp8Conversion{4, 0x07F007F0u, 0x7B807B80u};
 }
 template <>
 __host__ __device__ constexpr Fp8Conversion fp8_conversion<__half>(bool e5m2) {
-  return e5m2 ? Fp8Conversion{0, 0x7F007F00u, 0x3C003C00u} : Fp8Conversion{1, 0x3F803F80u,
-                                                                          0x5C005C00u};
+  return e5m2 ? Fp8Conversion{0, 0x7F007F00u, 0x3C003C00u}
+              : Fp8Conversion{1, 0x3F803F80u, 0x5C005C00u};
 }
 
 // Bytes a and b of `bytes` (selector 0xB4A4 for byte indices a, b) as a 16-bit pair, a low.

@@ -1,4 +1,7 @@
 // KV append: copies each new token's k/v rows into its cache slot, 16 bytes per thread.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "kv_cache.h"
@@ -43,6 +46,74 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendKVParams p, int e
   *reinterpret_cast<uint4*>(v_dst) = v_value;
 }
 
+// FP8 pools: one thread per 16 bytes of a (token, head) row of k and of v (16 / sizeof(T)
+// elements), quantized with the head's scale (an exact division, not fast-math's) and written as
+// that many bytes. The conversion saturates at the format's largest finite value, as the clamp
+// the contract names does, and keeps NaN.
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T, __nv_fp8_interpretation_t kFormat>
+__global__ void append_kv_fp8_kernel(const __grid_constant__ AppendKVParams p, int chunks_per_row) {
+  constexpr int kPerChunk = 16 / sizeof(T);
+  const int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t total = (int64_t)p.num_tokens * p.num_kv_heads * chunks_per_row;
+  if (item >= total) return;
+  const int chunk = item % chunks_per_row;
+  const int64_t row = item / chunks_per_row;
+  const int head = row % p.num_kv_heads;
+  const int token = row / p.num_kv_heads;
+  const int64_t slot = p.slot_mapping[token];
+  if (slot < 0 || slot >= p.num_pages * p.page_size) return;
+  const int64_t page = slot / p.page_size;
+  const int64_t offset = slot % p.page_size;
+  const int64_t column = (int64_t)chunk * kPerChunk;
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    const T* src = static_cast<const T*>(which == 0 ? p.k : p.v) +
+                   token * (which == 0 ? p.k_stride_token : p.v_stride_token) +
+                   head * (which == 0 ? p.k_stride_head : p.v_stride_head) + column;
+    uint8_t* dst = static_cast<uint8_t*>(which == 0 ? p.k_cache : p.v_cache) +
+                   page * (which == 0 ? p.k_cache_stride_page : p.v_cache_stride_page) +
+                   offset * (which == 0 ? p.k_cache_stride_slot : p.v_cache_stride_slot) +
+                   head * (which == 0 ? p.k_cache_stride_head : p.v_cache_stride_head) + column;
+    const float scale = (which == 0 ? p.k_scale : p.v_scale)[head];
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
+    const T* x = reinterpret_cast<const T*>(&raw);
+    uint8_t bytes[kPerChunk];
+#pragma unroll
+    for (int i = 0; i < kPerChunk; ++i)
+      bytes[i] = __nv_cvt_float_to_fp8(__fdiv_rn(to_float(x[i]), scale), __NV_SATFINITE, kFormat);
+    if constexpr (kPerChunk == 8) {
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(bytes);
+    } else {
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(bytes);
+    }
+  }
+}
+
+template <__nv_fp8_interpretation_t kFormat>
+LaunchStatus launch_fp8(const AppendKVParams& p, int chunks_per_row, unsigned blocks, int threads,
+                        cudaStream_t stream) {
+  switch (p.dtype) {
+    case ScalarType::kBFloat16:
+      append_kv_fp8_kernel<__nv_bfloat16, kFormat>
+          <<<blocks, threads, 0, stream>>>(p, chunks_per_row);
+      break;
+    case ScalarType::kFloat16:
+      append_kv_fp8_kernel<__half, kFormat><<<blocks, threads, 0, stream>>>(p, chunks_per_row);
+      break;
+    case ScalarType::kFloat32:
+      append_kv_fp8_kernel<float, kFormat><<<blocks, threads, 0, stream>>>(p, chunks_per_row);
+      break;
+    default:
+      return {"append_kv: an FP8 pool takes bfloat16, float16 or float32 tokens"};
+  }
+  return status_after_launch("append_kv_fp8_kernel");
+}
+
 }  // namespace
 
 LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream) {
@@ -58,6 +129,15 @@ LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream)
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
   if (blocks > INT32_MAX) return {"append_kv: too many tokens for one launch"};
+  if (is_fp8(params.cache_dtype)) {
+    if (params.k_scale == nullptr || params.v_scale == nullptr)
+      return {"append_kv: an FP8 pool needs k_scale and v_scale"};
+    return params.cache_dtype == ScalarType::kFloat8E4M3
+               ? launch_fp8<__NV_E4M3>(params, chunks_per_row, static_cast<unsigned>(blocks),
+                                       threads, stream)
+               : launch_fp8<__NV_E5M2>(params, chunks_per_row, static_cast<unsigned>(blocks),
+                                       threads, stream);
+  }
   append_kv_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params, element_size,
                                                                           chunks_per_row);
   const cudaError_t error = cudaGetLastError();

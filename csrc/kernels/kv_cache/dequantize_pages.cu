@@ -75,8 +75,8 @@ __global__ void dequantize_pages_kernel(const __grid_constant__ DequantizePagesP
         const float hi = in_pool ? fp8_value<Fp8>(b[2 * i + 1]) * scale : nan;
         packed[i] = pack<Out>(lo, hi);
       }
-      uint4* dst = reinterpret_cast<uint4*>(static_cast<Out*>(which == 0 ? p.k_out : p.v_out) +
-                                            out_offset);
+      uint4* dst =
+          reinterpret_cast<uint4*>(static_cast<Out*>(which == 0 ? p.k_out : p.v_out) + out_offset);
       dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
       dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     }

@@ -13,7 +13,9 @@
 namespace astrai::kernels {
 
 // k_cache[slot / S, slot % S, h, :] = k[t, h, :] (same for v) for every token t whose
-// slot_mapping[t] = slot is in [0, P * S); other slots (negative: padding) skip the token.
+// slot_mapping[t] = slot is in [0, P * S); other slots (negative: padding) skip the token. FP8
+// pools store fp8(clamp(k[t, h, :] / k_scale[h], -max, max)), rounded to nearest even (torch's
+// cast after the clamp).
 struct AppendKVParams {
   const void* k;                // [T, Hkv, D], last dim contiguous
   const void* v;                // [T, Hkv, D], last dim contiguous
@@ -30,12 +32,15 @@ struct AppendKVParams {
   int64_t v_cache_stride_page;
   int64_t v_cache_stride_slot;
   int64_t v_cache_stride_head;
-  int num_tokens;     // T
-  int num_kv_heads;   // Hkv
-  int head_dim;       // D; D * element size must be a multiple of 16 bytes
-  int page_size;      // S (any positive value works here)
-  int64_t num_pages;  // P
-  ScalarType dtype;
+  int num_tokens;          // T
+  int num_kv_heads;        // Hkv
+  int head_dim;            // D; D * element size must be a multiple of 16 bytes
+  int page_size;           // S (any positive value works here)
+  int64_t num_pages;       // P
+  ScalarType dtype;        // of k and v
+  ScalarType cache_dtype;  // dtype, or an FP8 type
+  const float* k_scale;    // FP8 pools: [Hkv] float32
+  const float* v_scale;
 };
 
 LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream);
@@ -50,9 +55,9 @@ struct DequantizePagesParams {
   const void* v_cache;
   int64_t k_stride_page, k_stride_slot, k_stride_head;  // elements
   int64_t v_stride_page, v_stride_slot, v_stride_head;
-  ScalarType cache_dtype;  // kFloat8E4M3 or kFloat8E5M2
-  const float* k_scale;    // [Hkv]
-  const float* v_scale;    // [Hkv]
+  ScalarType cache_dtype;      // kFloat8E4M3 or kFloat8E5M2
+  const float* k_scale;        // [Hkv]
+  const float* v_scale;        // [Hkv]
   const int32_t* block_table;  // [B, W] int32
   int64_t block_table_stride;
   const int32_t* seq_lens;  // [B]

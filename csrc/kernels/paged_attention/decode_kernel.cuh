@@ -344,18 +344,19 @@ LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t strea
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cudaStream_t stream) {
   constexpr const HeadDimForms& forms = *paged_head_dim_forms(D);
+  constexpr int kKVBytes = sizeof(KV);
   if constexpr (forms.decode_eight_warps) {
     if (form == DecodeForm::kEightWarps)
-      return launch_paged_decode<DecodeEightWarpTraits<D>, T>(args, stream);
+      return launch_paged_decode<DecodeEightWarpTraits<D, kKVBytes>, T, KV>(args, stream);
   }
   if constexpr (forms.decode_block_pairs) {
     if (form == DecodeForm::kBlockPairs)
-      return launch_paged_decode<DecodePairTraits<D>, T>(args, stream);
+      return launch_paged_decode<DecodePairTraits<D, kKVBytes>, T, KV>(args, stream);
   }
   if (form != DecodeForm::kSplit && form != DecodeForm::kCluster)
     return {std::string("decode form ") + decode_form_name(form) +
             " is not compiled for head_dim " + std::to_string(D)};
-  return launch_paged_decode<DecodeTraits<D>, T>(args, stream);
+  return launch_paged_decode<DecodeTraits<D, kKVBytes>, T, KV>(args, stream);
 }
 
 }  // namespace astrai::kernels

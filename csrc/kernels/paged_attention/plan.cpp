@@ -186,7 +186,8 @@ int64_t decode_kv_positions(const DecodeShape& shape) {
   int64_t positions = std::max<int64_t>(0, shape.block_table_positions);
   if (shape.window_left >= 0) {
     // A window of W + 1 positions starts anywhere in a tile: it touches at most one tile more.
-    const int tile_n = shape.kv_bytes == 1 ? DecodeTraits<128, 1>::kTileN : DecodeTraits<128>::kTileN;
+    const int tile_n =
+        shape.kv_bytes == 1 ? DecodeTraits<128, 1>::kTileN : DecodeTraits<128>::kTileN;
     positions = std::min<int64_t>(positions, static_cast<int64_t>(shape.window_left) + tile_n);
   }
   return positions;

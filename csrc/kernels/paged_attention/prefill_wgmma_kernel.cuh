@@ -53,6 +53,9 @@ struct PrefillWgmmaTraits {
   static constexpr int kStages = 3;  // tile t in use, t + 1 landed, t + 2 in flight
   static constexpr int kElementBytes = 2;
   static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
+  static constexpr int kKVBytes =
+      kElementBytes;  // FP8 pages reach it dequantized (dequantize_pages.cu)
+  static constexpr int kKVChunksPerRow = kChunksPerRow;
   static constexpr bool kWgmmaTiles = true;
   static constexpr bool kPageIdRing = false;  // page ids into registers (paged_kv_tile_loader.cuh)
   static constexpr int kPageIdSlots = 0;

@@ -92,12 +92,10 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
         uint32_t r[4];
         const int row = warp_col0 + nj * 16 + (matrix % 2) * 8 + (lane % 8);
         const int ch = 2 * kp + matrix / 2;
-        ldmatrix_x4(
-            shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
+        ldmatrix_x4(shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
         mma_m16n8k16<T>(s_acc[0][2 * nj], a_even, fp8_pair_to_16bit<T, kFp8Bytes01>(r[0], fp8),
                         fp8_pair_to_16bit<T, kFp8Bytes23>(r[0], fp8));
-        mma_m16n8k16<T>(s_acc[0][2 * nj + 1], a_even,
-                        fp8_pair_to_16bit<T, kFp8Bytes01>(r[1], fp8),
+        mma_m16n8k16<T>(s_acc[0][2 * nj + 1], a_even, fp8_pair_to_16bit<T, kFp8Bytes01>(r[1], fp8),
                         fp8_pair_to_16bit<T, kFp8Bytes23>(r[1], fp8));
         mma_m16n8k16<T>(s_acc[0][2 * nj], a_odd, fp8_pair_to_16bit<T, kFp8Bytes01>(r[2], fp8),
                         fp8_pair_to_16bit<T, kFp8Bytes23>(r[2], fp8));
@@ -107,23 +105,23 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
     }
   } else {
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    uint32_t a[kMRep][4];
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[kMRep][4];
 #pragma unroll
-    for (int mi = 0; mi < kMRep; ++mi) q_fragment(mi, ks, a[mi]);
+      for (int mi = 0; mi < kMRep; ++mi) q_fragment(mi, ks, a[mi]);
 #pragma unroll
-    for (int nj = 0; nj < kWarpTileN / 16; ++nj) {
-      uint32_t b[4];
-      const int r = warp_col0 + nj * 16 + (lane % 8) + (lane / 16) * 8;
-      const int ch = ks * 2 + (lane / 8) % 2;
-      ldmatrix_x4(shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(r, ch)), b);
+      for (int nj = 0; nj < kWarpTileN / 16; ++nj) {
+        uint32_t b[4];
+        const int r = warp_col0 + nj * 16 + (lane % 8) + (lane / 16) * 8;
+        const int ch = ks * 2 + (lane / 8) % 2;
+        ldmatrix_x4(shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(r, ch)), b);
 #pragma unroll
-      for (int mi = 0; mi < kMRep; ++mi) {
-        mma_m16n8k16<T>(s_acc[mi][2 * nj], a[mi], b[0], b[1]);
-        mma_m16n8k16<T>(s_acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
+        for (int mi = 0; mi < kMRep; ++mi) {
+          mma_m16n8k16<T>(s_acc[mi][2 * nj], a[mi], b[0], b[1]);
+          mma_m16n8k16<T>(s_acc[mi][2 * nj + 1], a[mi], b[2], b[3]);
+        }
       }
     }
-  }
   }
 
   transform_scores<kMRep * kWarpTileN / 2>(transform, [&](int i) -> float& {
@@ -180,14 +178,11 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
             shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
         mma_m16n8k16<T>(state.o[0][4 * dp], a[0], fp8_pair_to_16bit<T, kFp8Bytes02>(r[0], fp8),
                         fp8_pair_to_16bit<T, kFp8Bytes02>(r[1], fp8));
-        mma_m16n8k16<T>(state.o[0][4 * dp + 1], a[0],
-                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[0], fp8),
+        mma_m16n8k16<T>(state.o[0][4 * dp + 1], a[0], fp8_pair_to_16bit<T, kFp8Bytes13>(r[0], fp8),
                         fp8_pair_to_16bit<T, kFp8Bytes13>(r[1], fp8));
-        mma_m16n8k16<T>(state.o[0][4 * dp + 2], a[0],
-                        fp8_pair_to_16bit<T, kFp8Bytes02>(r[2], fp8),
+        mma_m16n8k16<T>(state.o[0][4 * dp + 2], a[0], fp8_pair_to_16bit<T, kFp8Bytes02>(r[2], fp8),
                         fp8_pair_to_16bit<T, kFp8Bytes02>(r[3], fp8));
-        mma_m16n8k16<T>(state.o[0][4 * dp + 3], a[0],
-                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[2], fp8),
+        mma_m16n8k16<T>(state.o[0][4 * dp + 3], a[0], fp8_pair_to_16bit<T, kFp8Bytes13>(r[2], fp8),
                         fp8_pair_to_16bit<T, kFp8Bytes13>(r[3], fp8));
       }
     } else {
@@ -196,8 +191,8 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
         uint32_t b[4];
         const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
         const int ch = dj * 2 + lane / 16;
-        ldmatrix_x4_trans(
-            shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(r, ch)), b);
+        ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(r, ch)),
+                          b);
 #pragma unroll
         for (int mi = 0; mi < kMRep; ++mi) {
           mma_m16n8k16<T>(state.o[mi][2 * dj], a[mi], b[0], b[1]);

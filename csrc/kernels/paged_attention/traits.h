@@ -79,8 +79,7 @@ struct PagedAttentionTraits {
 
   // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each; 32
   // with an FP8 cache, so that a stage holds as many bytes in flight as a 16-bit one).
-  static constexpr int kTileN =
-      kDecode ? (kFp8 ? 32 : 16) * kWarps : (kHeadDim <= 128 ? 64 : 32);
+  static constexpr int kTileN = kDecode ? (kFp8 ? 32 : 16) * kWarps : (kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
   // Pipeline depth: 2 stages (the tile being waited for and the next one). Decode has room for 3
@@ -205,7 +204,7 @@ struct PersistentDecodeLayout {
   static constexpr int kQueryBytes = Traits::kQSmemElements * Traits::kElementBytes;
   static constexpr int kStageBytes =
       Traits::kKVSmemElements * Traits::kKVBytes;  // all stages of K (or V)
-  static constexpr int kQueryOffset = 0;                // [2] query buffers
+  static constexpr int kQueryOffset = 0;           // [2] query buffers
   static constexpr int kKOffset = kQueryOffset + 2 * kQueryBytes;
   static constexpr int kVOffset = kKOffset + kStageBytes;
   static constexpr int kPageIdOffset = kVOffset + kStageBytes;

@@ -1,0 +1,264 @@
+"""GPU tests of the cuda backend over FP8 KV caches (float8_e4m3fn and float8_e5m2 pools with
+float32 per-kv-head scales; q in bf16 or fp16).
+
+The reference is float64 attention over the dequantized stored bytes (stored.float() * scale):
+the values the kernels read. Pools hold NaN in every slot no sequence owns, outputs are poisoned
+first, and a control shows the comparison fails if the scales were ignored.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.kernels.test_cuda_kernels import (
+    HEAD_DIMS,
+    MERGE_TUNING,
+    PagedBatch,
+    poison_next_allocation,
+    splits_tuning,
+)
+from tests.kernels.test_cuda_variants import variant_reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+class Fp8Batch:
+    """A PagedBatch whose pools are quantized to `fp8` with random per-head scales; gather()
+    returns the dequantized values, so the variant reference reads what the kernels read."""
+
+    def __init__(self, batch: PagedBatch, fp8, generator):
+        self.inner = batch
+        hkv = batch.k_cache.shape[2]
+        self.k_scale = (torch.rand(hkv, generator=generator, device="cuda") + 0.25).float()
+        self.v_scale = (torch.rand(hkv, generator=generator, device="cuda") + 0.25).float()
+        largest = torch.finfo(fp8).max
+
+        def quantize(pool, scale):
+            scaled = pool.float() / scale.view(1, 1, -1, 1)
+            # NaN (unowned slots) stays NaN: a read of one shows up.
+            return scaled.clamp(-largest, largest).to(fp8)
+
+        self.k_cache = quantize(batch.k_cache, self.k_scale)
+        self.v_cache = quantize(batch.v_cache, self.v_scale)
+        for name in (
+            "block_table",
+            "seq_lens",
+            "query_start_loc",
+            "q",
+            "seq_lens_list",
+            "q_lens_list",
+            "page_size",
+            "num_tokens",
+        ):
+            setattr(self, name, getattr(batch, name))
+
+    def gather(self, cache, b):
+        scale = self.k_scale if cache is self.k_cache else self.v_scale
+        n = self.seq_lens_list[b]
+        pos = torch.arange(n, device=cache.device)
+        pages = self.block_table[b, pos // self.page_size].long()
+        return cache[pages, pos % self.page_size].double() * scale.double().view(1, -1, 1)
+
+
+def run(batch, decode, scales=True, window_left=-1, softcap=0.0, sinks=None, return_lse=False):
+    q = batch.q
+    poison_next_allocation(q.shape, q.dtype)
+    return torch.ops.astr.cuda_paged_attention(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        1 if decode else max(batch.q_lens_list),
+        decode,
+        None,
+        True,
+        1.0 / math.sqrt(q.shape[-1]),
+        window_left,
+        softcap,
+        sinks,
+        return_lse,
+        batch.k_scale if scales else None,
+        batch.v_scale if scales else None,
+    )
+
+
+def assert_matches(out, ref):
+    assert not torch.isnan(out).any(), "output has NaN (unwritten element or read of a NaN slot)"
+    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert err < 1e-2, f"relative L2 error {err:.3e}"
+    return err
+
+
+def unscaled_reference(batch, ref_scale=1.0):
+    """The same attention over the stored bytes without their scales: the control."""
+    saved = batch.k_scale, batch.v_scale
+    batch.k_scale, batch.v_scale = torch.ones_like(saved[0]), torch.ones_like(saved[1])
+    try:
+        return variant_reference(batch, batch.q, 1.0 / math.sqrt(batch.q.shape[-1]))[0]
+    finally:
+        batch.k_scale, batch.v_scale = saved
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("page_size,group", [(1, 4), (16, 1), (16, 8), (128, 4)])
+def test_fp8_decode_matches_reference(fp8, q_dtype, head_dim, page_size, group):
+    g = torch.Generator(device="cuda").manual_seed(100 + head_dim + page_size + group)
+    lens = [1, 129, 2000, int(torch.randint(2, 3000, (1,), generator=g, device="cuda"))]
+    inner = PagedBatch(lens, [1] * 4, 2 * group, 2, head_dim, page_size, q_dtype, generator=g)
+    batch = Fp8Batch(inner, fp8, g)
+    out, _ = run(batch, True)
+    ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(head_dim))
+    assert_matches(out, ref)
+    control = unscaled_reference(batch)
+    assert (out.double() - control).norm() / control.norm() > 0.05
+
+
+@pytest.mark.parametrize(
+    "splits,merge",
+    [
+        (None, "auto"),
+        (1, "auto"),
+        (1, "eight"),
+        (1, "persistent"),
+        (2, "pairs"),
+        (2, "cluster"),
+        (2, "kernel"),
+        (7, "auto"),
+    ],
+)
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_decode_in_every_form_with_the_variants(splits, merge, fp8, tuning):
+    """Every decode form (the persistent one falls back: it reads 16-bit caches only), with a
+    window, a softcap, sinks and the lse."""
+    tuning(splits_tuning(splits), MERGE_TUNING[merge])
+    g = torch.Generator(device="cuda").manual_seed(41 + (splits or 0))
+    lens = [1, 300, 5000, 129, 2222]
+    inner = PagedBatch(lens, [1] * 5, 32, 8, 128, 16, torch.bfloat16, generator=g)
+    batch = Fp8Batch(inner, fp8, g)
+    sinks = (torch.randn(32, generator=g, device="cuda") * 2).float()
+    scale = 1.0 / math.sqrt(128)
+    out, lse = run(batch, True, window_left=1000, softcap=20.0, sinks=sinks, return_lse=True)
+    ref, ref_lse = variant_reference(batch, batch.q, scale, 1000, 20.0, sinks)
+    assert_matches(out, ref)
+    assert (lse.double() - ref_lse).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
+def test_fp8_prefill_with_cached_prefixes_matches_reference(
+    fp8, head_dim, page_size, kernel, tuning
+):
+    tuning(f"prefill_kernel={kernel}")
+    g = torch.Generator(device="cuda").manual_seed(200 + head_dim + page_size)
+    q_lens = [300, 1, 77]
+    lens = [1300, 40, 77]
+    inner = PagedBatch(lens, q_lens, 8, 2, head_dim, page_size, torch.bfloat16, generator=g)
+    batch = Fp8Batch(inner, fp8, g)
+    out, _ = run(batch, False)
+    ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(head_dim))
+    assert_matches(out, ref)
+
+
+def test_fp8_prefill_with_a_bad_page_id_poisons_only_its_sequence():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    inner = PagedBatch([700, 900], [50, 30], 8, 2, 128, 16, torch.bfloat16, generator=g)
+    batch = Fp8Batch(inner, torch.float8_e4m3fn, g)
+    batch.block_table = batch.block_table.clone()
+    batch.block_table[1, 2] = -4
+    out, _ = run(batch, False)
+    assert torch.isnan(out[50:]).all()
+    ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(128))
+    assert_matches(out[:50], ref[:50])
+
+
+def test_fp8_decode_under_cuda_graph_replay_with_growing_lengths():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    inner = PagedBatch([4096] * 4, [1] * 4, 32, 8, 128, 16, torch.bfloat16, generator=g)
+    inner.k_cache.copy_(torch.randn(inner.k_cache.shape, generator=g, device="cuda"))
+    inner.v_cache.copy_(torch.randn(inner.v_cache.shape, generator=g, device="cuda"))
+    batch = Fp8Batch(inner, torch.float8_e4m3fn, g)
+    batch.seq_lens = torch.tensor([3, 1, 17, 100], dtype=torch.int32, device="cuda")
+    static_q = batch.q.clone()
+    batch.q = static_q
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(batch, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, _ = run(batch, True)
+    for lens in ([3, 1, 17, 100], [64, 600, 700, 1000], [2048, 129, 4000, 4096]):
+        batch.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))
+        static_out.fill_(float("nan"))
+        graph.replay()
+        batch.seq_lens_list = lens
+        ref, _ = variant_reference(batch, static_q, 1.0 / math.sqrt(128))
+        assert_matches(static_out, ref)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_append_stores_the_values_torch_would(fp8, dtype):
+    g = torch.Generator(device="cuda").manual_seed(13)
+    pool = torch.zeros(8, 16, 4, 64, dtype=fp8, device="cuda")
+    v_pool = torch.zeros_like(pool)
+    k = torch.randn(20, 4, 64, generator=g, device="cuda").to(dtype) * 50
+    v = torch.randn(20, 4, 64, generator=g, device="cuda").to(dtype)
+    k[3, 0, :3] = torch.tensor([1e6, -1e6, float("nan")])
+    k_scale = torch.rand(4, generator=g, device="cuda") + 0.1
+    v_scale = torch.rand(4, generator=g, device="cuda") + 0.1
+    slots = torch.randperm(128, generator=g, device="cuda")[:20].int()
+    slots[5] = -1  # skipped
+    torch.ops.astr.append_kv(k, v, pool, v_pool, slots, k_scale, v_scale)
+    largest = torch.finfo(fp8).max
+    keep = slots >= 0
+    expect_k = (k.float() / k_scale.view(1, -1, 1)).clamp(-largest, largest).to(fp8)[keep]
+    expect_v = (v.float() / v_scale.view(1, -1, 1)).clamp(-largest, largest).to(fp8)[keep]
+    got_k = pool.view(-1, 4, 64)[slots[keep].long()]
+    got_v = v_pool.view(-1, 4, 64)[slots[keep].long()]
+    assert torch.equal(got_k.view(torch.uint8), expect_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), expect_v.view(torch.uint8))
+
+
+def test_fp8_decode_step_through_the_api_under_torch_compile():
+    import astrai.extension as ae
+
+    cache = ae.PagedKVCache(2, 256, 16, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k = torch.randn(1, 700, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    for layer in range(2):
+        cache.scales_from(layer, k, k)
+    cache.begin_step([0, 1], [300, 400])
+    q = torch.randn(1, 700, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    for layer in range(2):
+        ae.attention(q, k, k, kv_cache=cache, layer_id=layer, fwd="prefill", is_causal=True)
+    cache.begin_step([0, 1], [1, 1])
+    q1 = torch.randn(1, 2, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    k1 = torch.randn(1, 2, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    def step(q, k, v):
+        return ae.attention(q, k, v, kv_cache=cache, layer_id=1, fwd="decode", is_causal=True)
+
+    eager = ae.attention(
+        q1, k1, k1, kv_cache=cache, layer_id=1, fwd="decode", is_causal=True, backend="torch_native"
+    )
+    compiled = torch.compile(step, fullgraph=True)(q1, k1, k1)
+    assert ae.explain(q1, kv_cache=cache, layer_id=1, fwd="decode", is_causal=True).backend == (
+        "cuda"
+    )
+    err = (compiled.double() - eager.double()).norm() / eager.double().norm()
+    assert err < 1e-2
