@@ -1,0 +1,5 @@
+"""astrai over torch.distributed: context-parallel paged attention (context_parallel.py)."""
+
+from .context_parallel import ContextParallelCache, ContextParallelStep, owner_rank
+
+__all__ = ["ContextParallelCache", "ContextParallelStep", "owner_rank"]
