@@ -44,6 +44,16 @@ def shim_include_dir() -> str:
     return shim
 
 
+# What torch's CUDAExtension adds to every nvcc call: no implicit __half/__nv_bfloat16
+# conversions or operators, so code that leans on them fails here as it would in setup.py.
+TORCH_EXTENSION_FLAGS = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+]
+
+
 def compile_one(source: str, arch: str) -> tuple[str, int, str]:
     out_dir = os.path.join(ROOT, "build-cu", f"sm_{arch}")
     os.makedirs(out_dir, exist_ok=True)
@@ -63,6 +73,7 @@ def compile_one(source: str, arch: str) -> tuple[str, int, str]:
         f"-gencode=arch=compute_{arch},code=sm_{arch}",
         "-DASTR_WITH_CUDA=1",
         *(["-DASTR_WITH_SM90A=1"] if arch == "90a" else []),
+        *TORCH_EXTENSION_FLAGS,
         "-I",
         sysconfig.get_paths()["include"],
         "-I",

@@ -50,10 +50,10 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendKVParams p, int e
 // elements), quantized with the head's scale (an exact division, not fast-math's) and written as
 // that many bytes. The conversion saturates at the format's largest finite value, as the clamp
 // the contract names does, and keeps NaN.
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  return static_cast<float>(x);
-}
+// (torch's extension flags turn off __half's and __nv_bfloat16's implicit conversions.)
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
 
 template <typename T, __nv_fp8_interpretation_t kFormat>
 __global__ void append_kv_fp8_kernel(const __grid_constant__ AppendKVParams p, int chunks_per_row) {
