@@ -5,7 +5,8 @@
     (target: at most 1.15x); the windowed call reads only the window's tiles.
   - softcap, sinks, return_lse: each against the same call without it, decode (B=16, L=8192 and
     B=64, L=4096) and causal prefill (B=1, S=8192; a ragged batch with cached prefixes)
-    (targets: softcap and sinks at most 1.05x on decode and 1.10x on prefill; lse at most 1.03x).
+    (targets: softcap and sinks at most 1.05x on decode and 1.10x on prefill; lse at most 1.03x);
+  - head dim 96 against 128 (decode and prefill), and its prefill against SDPA cuDNN.
 
     python3 benchmarks/bench_variants.py [--out DIR] [--repeats N]
 
@@ -32,8 +33,8 @@ HQ, HKV, D = 32, 8, 128
 TARGETS = {"window": 1.15, "softcap": (1.05, 1.10), "sinks": (1.05, 1.10), "lse": 1.03}
 
 
-def decode_call(batch: int, length: int, **variants):
-    q, args = harness.uniform_decode_call(batch, length, HQ, HKV, D)
+def decode_call(batch: int, length: int, head_dim: int = D):
+    q, args = harness.uniform_decode_call(batch, length, HQ, HKV, head_dim)
     args = dict(args, is_causal=True, backend="cuda")
     sinks = torch.randn(HQ, device="cuda")
 
@@ -52,13 +53,13 @@ def decode_call(batch: int, length: int, **variants):
     return make
 
 
-def prefill_call(prefixes, chunks):
+def prefill_call(prefixes, chunks, head_dim: int = D):
     device = "cuda"
     lengths = [p + c for p, c in zip(prefixes, chunks)]
-    k = torch.randn(sum(lengths), HKV, D, dtype=torch.bfloat16, device=device)
+    k = torch.randn(sum(lengths), HKV, head_dim, dtype=torch.bfloat16, device=device)
     v = torch.randn_like(k)
     cache = harness.build_paged_cache(k, v, lengths, 16)
-    q = torch.randn(sum(chunks), HQ, D, dtype=torch.bfloat16, device=device)
+    q = torch.randn(sum(chunks), HQ, head_dim, dtype=torch.bfloat16, device=device)
     args = dict(
         cache,
         query_start_loc=harness.query_start_loc(chunks, device),
@@ -126,6 +127,28 @@ def main() -> int:
             {"softcap": make(softcap=30.0), "sinks": make(sinks=True), "lse": make(lse=True)},
         )
         harness.free_cached()
+
+    # Head dim 96 (Phi-3): the same calls at D=96 against D=128 (0.75x the bytes and FLOPs),
+    # and the prefill against SDPA cuDNN at D=96 (contiguous, kv heads repeated).
+    decode96 = decode_call(16, 8192, head_dim=96)()
+    compare("decode B=16 L=8192 D=128 vs D=96", decode_call(16, 8192)(), {"hdim96": decode96})
+    prefill96 = prefill_call([0], [8192], head_dim=96)()
+    compare("prefill B=1 S=8192 D=128 vs D=96", prefill_call([0], [8192])(), {"hdim96": prefill96})
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+        q, k = (torch.randn(1, HQ, 8192, 96, dtype=torch.bfloat16, device="cuda") for _ in "qk")
+        v = torch.randn_like(k)
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        cudnn()
+        compare("prefill B=1 S=8192 D=96, SDPA cuDNN vs cuda", cudnn, {"cuda": prefill96})
+    except RuntimeError as error:
+        print(f"SDPA cuDNN at D=96 did not run: {str(error).splitlines()[0]}")
+    harness.free_cached()
 
     props = torch.cuda.get_device_properties(0)
     env = dict(
