@@ -8,7 +8,9 @@ for one of 1500 tokens; prefills twice: on wgmma (where it runs) and on mma.sync
 cannot run a shape leaves the choice to the plan, as in the kernel tests. Then the variants
 (window, softcap, sinks, lse) through every form, and bad metadata (page ids outside the pool,
 lengths past the block table, negative lengths, a decreasing query_start_loc) that the kernels
-must survive without reading outside their tensors."""
+must survive without reading outside their tensors. The same with FP8 pools (e4m3, per-head
+scales, including the FP8 prefill's dequantizing pass), then a seeded fuzz: random page ids,
+lengths and query_start_loc values, 16-bit and FP8 pools, decode and prefill."""
 
 import torch
 
@@ -105,8 +107,75 @@ def main() -> None:
             for kernel in PREFILL_KERNELS:
                 args = (q, k_cache, v_cache, block_table, seq_lens, starts_bad, *prefill[6:])
                 paged_attention(kernel, *args)
+        # FP8 pools: the same calls, good and bad metadata.
+        fp8 = (k_cache.float().clamp(-400, 400).to(torch.float8_e4m3fn),)
+        fp8 += (v_cache.float().clamp(-400, 400).to(torch.float8_e4m3fn),)
+        scales = (torch.rand(kv_heads, device=device) + 0.5, torch.rand(kv_heads, device=device))
+        for table in (block_table, bad_table(block_table, pool)):
+            for form in DECODE_FORMS:
+                args = (q[:3], *fp8, table, *decode[4:], -1, 0.0, None, False, *scales)
+                assert paged_attention(form, *args).shape == q[:3].shape
+            for kernel in PREFILL_KERNELS:
+                args = (q, *fp8, table, *prefill[4:], -1, 0.0, None, False, *scales)
+                paged_attention(kernel, *args)
         torch.cuda.synchronize()
         print(f"head_dim {head_dim} page_size {page_size}: ok")
+    fuzz_bad_metadata(device, dtype)
+
+
+def bad_table(table, pool):
+    out = table.clone()
+    out[0, 0], out[2, 1] = -1, pool + 3
+    return out
+
+
+def fuzz_bad_metadata(device, dtype, cases=40):
+    """Random metadata, most of it wrong, through decode and prefill on 16-bit and FP8 pools:
+    the kernels must only ever read the pools and write their outputs (memcheck's part)."""
+    g = torch.Generator().manual_seed(1)
+
+    def ints(low, high, n):
+        return torch.randint(low, high, (n,), generator=g)
+
+    refused = 0
+    for case in range(cases):
+        head_dim = (64, 96, 128, 256)[case % 4]
+        page_size = (1, 16, 64)[case % 3]
+        pages, kv_heads, q_heads, batch, width = 16, 2, 4, int(ints(1, 5, 1)), int(ints(1, 6, 1))
+        k_cache = torch.randn(pages, page_size, kv_heads, head_dim, generator=g).to(device)
+        v_cache = torch.randn_like(k_cache)
+        scales = (None, None)
+        if case % 2:
+            k_cache, v_cache = (c.to(torch.float8_e4m3fn) for c in (k_cache, v_cache))
+            scales = (torch.rand(kv_heads, device=device) + 0.5,) * 2
+        else:
+            k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+        table = ints(-3, pages + 3, batch * width).view(batch, width).int().to(device)
+        lens = ints(-4, width * page_size + 40, batch).int().to(device)
+        q_lens = ints(1, 9, batch)
+        tokens = int(q_lens.sum())
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)])
+        if case % 3 == 0:
+            starts = starts + ints(-4, 5, batch + 1)  # often decreasing or past the tokens
+        starts = starts.int().to(device)
+        q = torch.randn(tokens, q_heads, head_dim, generator=g).to(device, dtype)
+        tail = (-1, 0.0, None, False, *scales)
+        decode_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        calls = [
+            (form, q[:batch], k_cache, v_cache, table, lens, decode_starts, 1, True)
+            for form in DECODE_FORMS
+        ]
+        calls += [
+            (kernel, q, k_cache, v_cache, table, lens, starts, 8, False)
+            for kernel in PREFILL_KERNELS
+        ]
+        for call in calls:
+            try:
+                paged_attention(*call, None, True, 0.1, *tail)
+            except ValueError:  # refused on the host (an argument's shape or type): fine too
+                refused += 1
+        torch.cuda.synchronize()
+    print(f"fuzz: {cases} random metadata cases: ok ({refused} calls refused on the host)")
 
 
 if __name__ == "__main__":
