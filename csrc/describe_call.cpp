@@ -237,6 +237,8 @@ void validate_paged(const AttentionArgs& a) {
   ASTR_CHECK(k_cache.size(3) == q.size(2), "k_cache: head_dim ", k_cache.size(3),
              " does not match q's ", q.size(2));
   ASTR_CHECK(k_cache.size(1) >= 1, "k_cache: page_size must be at least 1");
+  ASTR_CHECK(k_cache.size(0) >= 1, "k_cache: expected at least one page, got shape ",
+             shape_string(k_cache));
   ASTR_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "k_cache: q heads (",
              q.size(1), ") must be a multiple of kv heads (", k_cache.size(2), ")");
   check_metadata(q, *a.block_table, "block_table", 2, "[batch, pages_per_seq]");

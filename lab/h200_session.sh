@@ -7,6 +7,7 @@
 # Writes $OUT/session.log and $OUT/results.tar.gz.
 set -u
 START=$(date +%s)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/ and benchmarks/ import astrai
 BUDGET=${BUDGET:-480}
 R=$OUT/r
 mkdir -p "$R/bench"
@@ -50,7 +51,7 @@ T2=$!
 step tests_api 200 $PYTEST -m cuda --ignore=tests/extension/test_properties.py \
   tests/extension tests/integrations tests/distributed >"$R/tests_api.log" 2>&1 &
 T3=$!
-step sanitizer 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+step sanitizer 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 scripts/sanitizer_smoke.py >"$R/sanitizer.log" 2>&1 &
 SAN=$!
 step demo 200 python3 -m astrai.demo --prompts 16 --new-tokens 32 --repeats 1 \

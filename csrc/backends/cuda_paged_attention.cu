@@ -130,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
   ASTR_CHECK(num_kv_heads >= 1 && num_q_heads % num_kv_heads == 0,
              "cuda_paged_attention: q heads (", num_q_heads,
              ") must be a multiple of k_cache kv heads (", num_kv_heads, ")");
-  ASTR_CHECK(k_cache.size(0) <= INT32_MAX, "cuda_paged_attention: k_cache has too many pages");
+  ASTR_CHECK(k_cache.size(0) >= 1 && k_cache.size(0) <= INT32_MAX,
+             "cuda_paged_attention: k_cache must hold 1 to 2^31 - 1 pages, got ", k_cache.size(0));
   if (fp8) {
     ASTR_CHECK(k_scale.has_value() && v_scale.has_value(),
                "cuda_paged_attention: an FP8 KV cache needs k_scale and v_scale (float32 [Hkv])");

@@ -15,7 +15,10 @@
 //
 // A page id outside [0, num_pages) is never followed: its rows are zero-filled like rows past
 // kv_end, and the loader's `poisoned` flag is set (the kernel writes the rows of that sequence as
-// NaN, variant.cuh). So no block-table value makes a copy read outside the pools.
+// NaN, variant.cuh). So no block-table value makes a copy read outside the pools. Kernels whose
+// traits set kIdsPrescanned (the prefills) check their range's ids once up front instead
+// (prescan_page_ids) and a copy only clamps its id into the pool: per copy, the check cost the
+// prefill 5-7% (more instructions, and the copy waiting on the id's compare; lab/NOTES.md).
 //
 // 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
 // page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
@@ -92,6 +95,7 @@ struct KVTileLoader {
   static constexpr int kRowsPerPass = kOneColumn ? kThreads / kChunks : 0;
   static_assert((kTileN * kChunks) % kThreads == 0, "tile copy must divide evenly");
   static_assert(kOneColumn || !Traits::kPageIdRing, "page-id ring: one column per thread");
+  static constexpr bool kPrescanned = Traits::kIdsPrescanned;
 
   // Page ids: one tile ahead in registers (lookup), or from the ring (fetch_ids): kIdSlots tiles
   // of kTileN ids, tile t in slot t % kIdSlots.
@@ -129,6 +133,17 @@ struct KVTileLoader {
   __device__ __forceinline__ int copy_chunk(int i) const {
     if constexpr (kOneColumn) return chunk;
     return (thread + i * kThreads) % kChunks;
+  }
+
+  // kPrescanned: sets `poisoned` where a page id of positions [kv_begin, lookup_end) lies outside
+  // the pool, each id read by one thread; the kernel ORs the flag over the block at its end.
+  __device__ __forceinline__ void prescan_page_ids() {
+    static_assert(kPrescanned, "prescan_page_ids: traits with kIdsPrescanned");
+    if (src.lookup_end <= src.kv_begin) return;
+    const int first = src.kv_begin >> src.log2_page_size;
+    const int last = ((src.lookup_end - 1) >> src.log2_page_size) + 1;
+    for (int i = first + thread; i < last; i += kThreads)
+      poisoned |= static_cast<unsigned>(src.block_table[i]) >= static_cast<unsigned>(src.num_pages);
   }
 
   __device__ __forceinline__ void lookup(int tile) {
@@ -192,7 +207,10 @@ struct KVTileLoader {
           page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + (row >> src.log2_page_size)];
         else
           page = pages[i];
-        if (static_cast<unsigned>(page) >= static_cast<unsigned>(src.num_pages)) {
+        if constexpr (kPrescanned) {  // the kernel poisons the rows; the read stays in the pool
+          page = static_cast<int>(
+              min(static_cast<unsigned>(page), static_cast<unsigned>(src.num_pages) - 1u));
+        } else if (static_cast<unsigned>(page) >= static_cast<unsigned>(src.num_pages)) {
           poison = true;
           valid = false;
           page = 0;

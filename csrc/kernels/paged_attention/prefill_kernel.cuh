@@ -70,6 +70,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   source.tile_step = kTileN;
   source.lookup_end = range.end;
   KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
+  loader.prescan_page_ids();  // once per block: the copies then only clamp their ids
 
   // ---- per-warp state: kMRep x 16 rows of the block, the whole of every tile ------------------
   const int warp_row0 = warp * 16 * kMRep;

@@ -57,7 +57,8 @@ struct PrefillWgmmaTraits {
       kElementBytes;  // FP8 pages reach it dequantized (dequantize_pages.cu)
   static constexpr int kKVChunksPerRow = kChunksPerRow;
   static constexpr bool kWgmmaTiles = true;
-  static constexpr bool kPageIdRing = false;  // page ids into registers (paged_kv_tile_loader.cuh)
+  static constexpr bool kPageIdRing = false;    // page ids into registers (kv_tile_loader.cuh)
+  static constexpr bool kIdsPrescanned = true;  // checked once per block (prescan_page_ids)
   static constexpr int kPageIdSlots = 0;
   static constexpr int kTileElements = kTileN * kHeadDim;
   static constexpr int kQElements = kBlockRows * kHeadDim;
@@ -115,6 +116,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   source.tile_step = kTileN;
   source.lookup_end = range.end;
   KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
+  loader.prescan_page_ids();  // once per block: the copies then only clamp their ids
 
   // ---- per-thread state: rows 16 * warp + lane / 4 (+ 8) of the block -------------------------
   const int lane_row = lane / 4;

@@ -120,6 +120,8 @@ struct PagedAttentionTraits {
   // lab/NOTES.md). The ring holds kPageIdSlots tiles
   // of kTileN ids (one per row, at page size 1), after the V stages.
   static constexpr bool kPageIdRing = kDecode && kWarps == 8;
+  // The prefill checks its page ids once per block (kv_tile_loader.cuh: prescan_page_ids).
+  static constexpr bool kIdsPrescanned = !kDecode;
   static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
   static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
 
