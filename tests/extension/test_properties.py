@@ -5,7 +5,10 @@ reference written from the definition (attention_reference.py):
   (1..256, powers of two), ragged lengths, page orders in the pool and spare block-table columns;
 - dense calls: random shapes, GQA, causal, bool and additive masks;
 - random bad paged metadata: a clear error that names the argument, or (when the metadata
-  happens to be valid) the reference's answer; never a crash, never a wrong answer.
+  happens to be valid) the reference's answer; never a crash, never a wrong answer;
+- on a GPU (marked cuda): the same paged calls through the cuda kernels at the head dims they
+  serve, and the bad metadata in checked mode (a clear error or the right answer); unchecked, the
+  kernels' part is to stay inside the pool (scripts/sanitizer_smoke.py under compute-sanitizer).
 
 Each property runs a bounded number of examples so that CI spends a few seconds on each.
 """
@@ -35,15 +38,15 @@ def randn(*shape, g, dtype=torch.float32):
 
 
 @st.composite
-def paged_calls(draw, modes=("prefill", "decode")):
+def paged_calls(draw, modes=("prefill", "decode"), head_dims=HEAD_DIMS, dtypes=DTYPES):
     """A valid paged call: pages handed out in a random order from a pool with spare pages
     (filled with random values too), block-table rows padded with random pool pages."""
     mode = draw(st.sampled_from(modes))
     page_size = draw(st.sampled_from(PAGE_SIZES))
     kv_heads = draw(st.integers(1, 3))
     q_heads = kv_heads * draw(st.integers(1, 3))
-    head_dim = draw(st.sampled_from(HEAD_DIMS))
-    dtype = draw(st.sampled_from(DTYPES))
+    head_dim = draw(st.sampled_from(head_dims))
+    dtype = draw(st.sampled_from(dtypes))
     batch = draw(st.integers(1, 4))
     lengths = st.one_of(st.integers(1, 40), st.integers(200, 300))
     seq_lens = [draw(lengths) for _ in range(batch)]
@@ -174,12 +177,10 @@ ARGUMENTS = ("block_table:", "seq_lens:", "query_start_loc:", "max_query_len:", 
 
 
 @st.composite
-def broken_paged_calls(draw):
+def broken_paged_calls(draw, head_dims=HEAD_DIMS, dtype=torch.float32):
     """A valid call with one to three metadata values replaced by random ones, in and out of
     range, or its block table cut to no columns, or its batch to no sequences."""
-    call = draw(paged_calls())
-    call = {**call, "q": call["q"].float()}
-    call["k_cache"], call["v_cache"] = call["k_cache"].float(), call["v_cache"].float()
+    call = draw(paged_calls(head_dims=head_dims, dtypes=[dtype]))
     num_pages = call["k_cache"].shape[0]
     capacity = call["block_table"].shape[1] * call["k_cache"].shape[1]
     tokens = call["q"].shape[0]
@@ -220,3 +221,39 @@ def test_bad_paged_metadata_gets_a_clear_error_or_the_right_answer(call):
         return
     # Accepted: the metadata must be valid, and the answer the definition's.
     assert_close_to_reference(out, reference_of(call))
+
+
+# -- the cuda kernels (GPU) -------------------------------------------------------------------
+
+CUDA_HEAD_DIMS = [64, 96, 128, 256]  # config.h's list (tests/kernels read it from the library)
+CUDA_PROPERTY = settings(max_examples=40, deadline=None, derandomize=True)
+
+
+def on_cuda(call):
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+
+
+@pytest.mark.cuda
+@CUDA_PROPERTY
+@given(paged_calls(head_dims=CUDA_HEAD_DIMS, dtypes=[torch.bfloat16, torch.float16]))
+def test_cuda_paged_calls_match_the_definition(call):
+    out = torch.ops.astr.attention(**on_cuda(call), backend="cuda")
+    assert_close_to_reference(out.cpu(), reference_of(call))
+
+
+@pytest.mark.cuda
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(broken_paged_calls(head_dims=CUDA_HEAD_DIMS, dtype=torch.bfloat16))
+def test_cuda_checked_mode_gives_bad_metadata_a_clear_error_or_the_right_answer(call):
+    from astrai.extension import ops  # noqa: PLC0415
+
+    ops.set_metadata_checks(True)
+    try:
+        out = torch.ops.astr.attention(**on_cuda(call), backend="cuda")
+    except RuntimeError as error:
+        message = str(error).splitlines()[0]
+        assert message.startswith(ARGUMENTS), message
+        return
+    finally:
+        ops.set_metadata_checks(False)
+    assert_close_to_reference(out.cpu(), reference_of(call))
