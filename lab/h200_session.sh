@@ -57,7 +57,7 @@ fi
 step sanitizer 180 compute-sanitizer --tool memcheck --error-exitcode 9 \
   python3 scripts/sanitizer_smoke.py >"$R/sanitizer.log" 2>&1 &
 SAN=$!
-step demo 200 python3 -m astrai.demo --prompts 16 --new-tokens 32 --repeats 1 \
+[ -z "${SKIP_DEMO:-}" ] && step demo 200 python3 -m astrai.demo --prompts 16 --new-tokens 32 --repeats 1 \
   >"$R/demo.log" 2>&1 &
 DEMO=$!
 wait $T1 $T2 $T3 $SAN $DEMO
@@ -83,5 +83,10 @@ step bench_variants 60 python3 benchmarks/bench_variants.py --repeats 20 --out "
   >"$R/bench_variants.log" 2>&1
 tail -20 "$R/bench_variants.log"
 pack
-pack
+if [ -n "${TRANSFORMERS_BENCH:-}" ]; then  # last: whatever time is left
+  step bench_transformers 120 python3 benchmarks/bench_transformers.py $TRANSFORMERS_BENCH \
+    --out "$R/bench" >"$R/bench_transformers.log" 2>&1
+  tail -12 "$R/bench_transformers.log"
+  pack
+fi
 echo "done after $(($(date +%s) - START))s"
