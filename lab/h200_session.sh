@@ -8,6 +8,7 @@
 set -u
 START=$(date +%s)
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # scripts/ and benchmarks/ import astrai
+# (the H200 image has pytest-xdist and hypothesis)
 BUDGET=${BUDGET:-480}
 R=$OUT/r
 mkdir -p "$R/bench"
@@ -45,8 +46,9 @@ python3 -c "import torch; print(torch.__version__, torch.version.cuda)"
 PYTEST="python3 -m pytest -v -p no:cacheprovider -rfE"
 step tests_kernels 200 $PYTEST tests/kernels/test_cuda_kernels.py >"$R/tests_kernels.log" 2>&1 &
 T1=$!
-step tests_variants_fp8 200 $PYTEST tests/kernels/test_cuda_variants.py tests/kernels/test_cuda_fp8.py \
-  tests/kernels/test_cuda_bad_metadata.py >"$R/tests_variants_fp8.log" 2>&1 &
+step tests_variants_fp8 200 $PYTEST -m cuda tests/kernels/test_cuda_variants.py \
+  tests/kernels/test_cuda_fp8.py tests/kernels/test_cuda_bad_metadata.py \
+  tests/extension/test_properties.py >"$R/tests_variants_fp8.log" 2>&1 &
 T2=$!
 T3=""
 if [ -z "${SKIP_API:-}" ]; then  # SKIP_API=1: the kernels' tests only (a kernel-only change)
