@@ -141,6 +141,37 @@ int64_t bounded_max_query_len(const at::Tensor& q, const std::optional<at::Tenso
 
 namespace {
 
+// The op's arguments as one AttentionArgs, which refers to them: call it where they live.
+AttentionArgs make_args(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
+    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
+    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
+    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
+    std::optional<c10::string_view> mode, int64_t window_left, std::optional<double> softcap,
+    const std::optional<at::Tensor>& sinks, bool return_lse,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  return {q,
+          k,
+          v,
+          attn_mask,
+          is_causal,
+          scale,
+          k_cache,
+          v_cache,
+          block_table,
+          seq_lens,
+          query_start_loc,
+          max_query_len,
+          parse_mode(mode),
+          window_left,
+          softcap,
+          sinks,
+          return_lse,
+          k_scale,
+          v_scale};
+}
+
 AttentionResult run_attention(const AttentionArgs& args, std::optional<c10::string_view> backend,
                               std::optional<c10::string_view> selection) {
   const CallDescription call = validate_and_describe(args);
@@ -179,26 +210,10 @@ at::Tensor attention(
     std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
     const std::optional<at::Tensor>& v_scale) {
-  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
-  AttentionArgs args{q,
-                     k,
-                     v,
-                     attn_mask,
-                     is_causal,
-                     scale,
-                     k_cache,
-                     v_cache,
-                     block_table,
-                     seq_lens,
-                     query_start_loc,
-                     max_query_len,
-                     parse_mode(mode),
-                     window_left,
-                     softcap,
-                     sinks,
-                     false,
-                     k_scale,
-                     v_scale};
+  const AttentionArgs args =
+      make_args(q, k, v, attn_mask, is_causal, scale, k_cache, v_cache, block_table, seq_lens,
+                query_start_loc, bounded_max_query_len(q, k_cache, max_query_len), mode,
+                window_left, softcap, sinks, /*return_lse=*/false, k_scale, v_scale);
   return std::get<0>(run_attention(args, backend, selection));
 }
 
@@ -215,26 +230,10 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(
   ASTR_CHECK_VALUE(return_lse,
                    "return_lse: attention.lse returns (out, lse); call attention without "
                    "return_lse for out alone");
-  max_query_len = bounded_max_query_len(q, k_cache, max_query_len);
-  AttentionArgs args{q,
-                     k,
-                     v,
-                     attn_mask,
-                     is_causal,
-                     scale,
-                     k_cache,
-                     v_cache,
-                     block_table,
-                     seq_lens,
-                     query_start_loc,
-                     max_query_len,
-                     parse_mode(mode),
-                     window_left,
-                     softcap,
-                     sinks,
-                     true,
-                     k_scale,
-                     v_scale};
+  const AttentionArgs args =
+      make_args(q, k, v, attn_mask, is_causal, scale, k_cache, v_cache, block_table, seq_lens,
+                query_start_loc, bounded_max_query_len(q, k_cache, max_query_len), mode,
+                window_left, softcap, sinks, /*return_lse=*/true, k_scale, v_scale);
   return run_attention(args, backend, selection);
 }
 
@@ -248,25 +247,9 @@ std::string explain(
     int64_t window_left, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
     bool return_lse, const std::optional<at::Tensor>& k_scale,
     const std::optional<at::Tensor>& v_scale, std::optional<c10::string_view> selection) {
-  AttentionArgs args{q,
-                     k,
-                     v,
-                     attn_mask,
-                     is_causal,
-                     scale,
-                     k_cache,
-                     v_cache,
-                     block_table,
-                     seq_lens,
-                     query_start_loc,
-                     max_query_len,
-                     parse_mode(mode),
-                     window_left,
-                     softcap,
-                     sinks,
-                     return_lse,
-                     k_scale,
-                     v_scale};
+  const AttentionArgs args = make_args(q, k, v, attn_mask, is_causal, scale, k_cache, v_cache,
+                                       block_table, seq_lens, query_start_loc, max_query_len, mode,
+                                       window_left, softcap, sinks, return_lse, k_scale, v_scale);
   return decide(validate_and_describe(args), backend, selection).to_json();
 }
 
