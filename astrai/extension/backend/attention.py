@@ -29,7 +29,7 @@ from .base import (
     thread_context,
 )
 from .builtin import BuiltinBackend
-from .call import Variants, attention_op_args, paged_query_tokens, run_builtin
+from .call import NO_VARIANTS, Variants, attention_op_args, paged_query_tokens, run_builtin
 from .cuda import CudaBackend
 from .factory import AttentionBackendFactory, _instance
 from .flash import FlashAttnBackend, probe_flash
@@ -274,7 +274,7 @@ def attention(
     variants = Variants(window_left, softcap, sinks, return_lse)
     python_backend = _python_backend(backend)
     if python_backend is not None:
-        if variants != Variants():
+        if variants != NO_VARIANTS:
             raise ValueError(
                 f"{type(python_backend).__name__} is written in Python: window_left, softcap, "
                 "sinks and return_lse run only on the built-in backends"

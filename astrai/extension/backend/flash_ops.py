@@ -13,6 +13,7 @@ formula registered here, and the graph keeps astr::flash_dense / astr::flash_pag
 
 from __future__ import annotations
 
+import functools
 import inspect
 from types import ModuleType
 from typing import Optional
@@ -51,12 +52,20 @@ def _lse_like(lse, rows):
     )
 
 
+@functools.cache
+def _parameters(function) -> tuple:
+    """(the names a package function takes, whether it takes **kwargs): read once per function,
+    since inspect.signature costs tens of microseconds and the ops below run on every call."""
+    parameters = inspect.signature(function).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return frozenset(parameters), accepts_any
+
+
 def _variant_kwargs(function, window_left, softcap, no_window):
     """The package's own arguments for a window and a softcap: window_size=(left, 0) (the right
     side 0: causal) and softcap=c. Plain calls pass neither, so packages without them work."""
     kwargs = {}
-    parameters = inspect.signature(function).parameters
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    parameters, accepts_any = _parameters(function)
     if window_left >= 0:
         if "window_size" not in parameters and not accepts_any:
             raise RuntimeError(f"flash backend: {function.__module__} has no window_size")
@@ -72,8 +81,7 @@ def _variant_kwargs(function, window_left, softcap, no_window):
 
 def _paged_kwarg(function) -> str:
     """FlashAttention-2 names the page table ``block_table``; FlashAttention-3 ``page_table``."""
-    parameters = inspect.signature(function).parameters
-    return "block_table" if "block_table" in parameters else "page_table"
+    return "block_table" if "block_table" in _parameters(function)[0] else "page_table"
 
 
 def _left_padded(q, query_start_loc, max_query_len, batch):
