@@ -51,8 +51,12 @@ class ContextParallelStep:
     seq_lens: torch.Tensor  # int32 [B]: ... after the step
     query_start_loc: torch.Tensor  # int32 [B + 1]: prefix sums of new tokens (all ranks')
     owned: torch.Tensor  # int32 [t]: the packed new tokens this rank stores, in order
-    token_seq: torch.Tensor  # int32 [T]: each new token's sequence (its row of block_table)
     appends: bool  # whether this rank stores any of the step's tokens
+    # This rank's share as decode rows, one per new token (the same for every layer): the
+    # block-table row and length each query reads here, and the rows' query_start_loc.
+    row_table: torch.Tensor  # int32 [T, W]
+    row_lens: torch.Tensor  # int32 [T]
+    row_starts: torch.Tensor  # int32 [T + 1]
 
     @property
     def max_query_len(self) -> int:
@@ -151,17 +155,31 @@ class ContextParallelCache:
         if self.device.type == "cuda":
             host = host.pin_memory()
         device = host.to(self.device, non_blocking=True)
+        block_table = device[:rest].view(batch, width)
+        cached_lens = device[rest : rest + batch]
+        seq_lens = device[rest + batch : rest + 2 * batch]
+        query_start_loc = device[rest + 2 * batch : rest + 3 * batch + 1]
+        decode = all(n == 1 for n in counts)
+        if decode:  # a decode query reads its sequence's tokens here, the new one included
+            row_table, row_lens, row_starts = block_table, seq_lens, query_start_loc
+        else:  # a prefill query reads every cached token of its sequence here
+            token_seq = device[owned_end:]
+            row_table = block_table.index_select(0, token_seq)
+            row_lens = cached_lens.index_select(0, token_seq)
+            row_starts = torch.arange(tokens + 1, dtype=torch.int32, device=self.device)
         self.step = ContextParallelStep(
             seq_ids=seq_ids,
             new_tokens=counts,
-            mode="decode" if all(n == 1 for n in counts) else "prefill",
-            block_table=device[:rest].view(batch, width),
-            cached_lens=device[rest : rest + batch],
-            seq_lens=device[rest + batch : rest + 2 * batch],
-            query_start_loc=device[rest + 2 * batch : rest + 3 * batch + 1],
+            mode="decode" if decode else "prefill",
+            block_table=block_table,
+            cached_lens=cached_lens,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             owned=device[rest + 3 * batch + 1 : owned_end],
-            token_seq=device[owned_end:],
             appends=bool(storing),
+            row_table=row_table,
+            row_lens=row_lens,
+            row_starts=row_starts,
         )
         for seq_id, new in zip(seq_ids, counts):
             self._lengths[seq_id] = self.seq_len(seq_id) + new
@@ -203,16 +221,9 @@ class ContextParallelCache:
             self.local.append(
                 layer_id, k_tokens.index_select(0, step.owned), v_tokens.index_select(0, step.owned)
             )
-        # This rank's share, as decode rows: a decode step's query reads its sequence's tokens
-        # here including the new one; a prefill query reads every cached token of its sequence
-        # here (the chunk itself is attended to below).
+        # This rank's share, as decode rows (begin_step); a prefill's chunk itself is attended
+        # to below.
         decode = step.mode == "decode"
-        if decode:
-            table, lens = step.block_table, step.seq_lens
-        else:
-            table = step.block_table.index_select(0, step.token_seq)
-            lens = step.cached_lens.index_select(0, step.token_seq)
-        rows = q_tokens.shape[0]
         k_pool, v_pool = self.local.layer(layer_id)
         k_scale, v_scale = self.local.scales(layer_id)
         out, lse = torch.ops.astr.attention(
@@ -224,9 +235,9 @@ class ContextParallelCache:
             scale,
             k_pool,
             v_pool,
-            table,
-            lens,
-            torch.arange(rows + 1, dtype=torch.int32, device=q_tokens.device),
+            step.row_table,
+            step.row_lens,
+            step.row_starts,
             1,
             "decode",
             backend,
