@@ -5,18 +5,17 @@
     scales from the data), page 16, shuffled; the FP8 rate counts FP8 bytes (targets: at most
     0.55x the bf16 time at B >= 16, L >= 4096, i.e. >= 90% of the copy rate; 0.6x at B=1,
     L=32768);
-  - prefill (B=1 S=8192; a ragged batch with cached prefixes): FP8 vs bf16 (target: >= 1.0x);
-  - FlashInfer's decode over the same e4m3 pool with bf16 q, where flashinfer imports and
-    --flashinfer is given (its FP8 kernels compile at first use).
+  - prefill (B=1 S=8192; a ragged batch with cached prefixes): FP8 vs bf16 (target: >= 1.0x).
 
-    python3 benchmarks/bench_fp8.py [--out DIR] [--repeats N] [--flashinfer]
+FlashInfer's FP8 decode is a peer of the main benchmark:
+`bench_attention.py --peers cuda_ps16,flashinfer_decode_fp8` (benchmarks/peers.py).
+
+    python3 benchmarks/bench_fp8.py [--out DIR] [--repeats N]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -53,44 +52,11 @@ def decode_bytes(batch, length, kv_bytes):
     return batch * length * HKV * D * 2 * kv_bytes + 2 * batch * HQ * D * 2
 
 
-def flashinfer_decode(q, cache, fp8: bool):
-    import flashinfer  # noqa: PLC0415
-
-    table, lens = cache["block_table"], cache["seq_lens"]
-    batch = table.shape[0]
-    pages = (lens + PAGE - 1) // PAGE
-    indptr = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
-    indptr[1:] = torch.cumsum(pages, 0)
-    indices = torch.cat([table[b, : int(pages[b])] for b in range(batch)]).int()
-    last = (lens - 1) % PAGE + 1
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-    kv_type = cache["k_cache"].dtype
-    wrapper.plan(
-        indptr,
-        indices,
-        last.int(),
-        HQ,
-        HKV,
-        D,
-        PAGE,
-        pos_encoding_mode="NONE",
-        q_data_type=torch.bfloat16,
-        kv_data_type=kv_type,
-    )
-    kwargs = {}
-    if fp8:
-        # FlashInfer takes one scale per pool: the largest head's.
-        kwargs = dict(k_scale=float(cache["k_scale"].max()), v_scale=float(cache["v_scale"].max()))
-    return lambda: wrapper.run(q, (cache["k_cache"], cache["v_cache"]), **kwargs)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--flashinfer", action="store_true")
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
     copy_bytes, copy_ms = harness.copy_rate(timer)
@@ -105,19 +71,12 @@ def main() -> int:
         base = dict(call)
         fp8_call = dict(call, **fp8)
         fns = {"bf16": attend(q, base), "fp8": attend(q, fp8_call)}
-        if args.flashinfer:
-            try:
-                fns["flashinfer_fp8"] = flashinfer_decode(q, fp8, True)
-            except Exception as error:  # noqa: BLE001  (a peer that cannot run is reported)
-                print(f"flashinfer: {type(error).__name__}: {str(error)[:200]}")
         times = timer.measure_interleaved(list(fns.values()))
         us = {name: t["ms"] * 1e3 for name, t in zip(fns, times)}
         row = dict(kind="decode", batch=batch, length=length, us=us)
         row["fp8_over_bf16"] = us["fp8"] / us["bf16"]
         row["fp8_tbps"] = decode_bytes(batch, length, 1) / (us["fp8"] * 1e-6) / 1e12
         row["fp8_of_copy"] = row["fp8_tbps"] / copy_tbps
-        if "flashinfer_fp8" in us:
-            row["flashinfer_over_fp8"] = us["flashinfer_fp8"] / us["fp8"]
         rows.append(row)
         print(
             f"decode B={batch:<3} L={length:<6} "
@@ -152,20 +111,7 @@ def main() -> int:
         del cache, call, fp8_call
         harness.free_cached()
 
-    props = torch.cuda.get_device_properties(0)
-    env = dict(
-        command="python3 " + " ".join(sys.argv),
-        gpu=props.name,
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        date=datetime.date.today().isoformat(),
-        repeats=args.repeats,
-        copy_tbps=copy_tbps,
-    )
-    stem = f"fp8_{props.name.replace(' ', '-')}_{env['date']}"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
-        json.dump(dict(env=env, rows=rows), f, indent=1)
+    env = harness.run_environment(args.repeats, copy_tbps=copy_tbps)
     lines = [
         f"# FP8 KV cache against bf16 (cuda backend): {env['gpu']}, {env['date']}",
         "",
@@ -174,8 +120,8 @@ def main() -> int:
         f"of {args.repeats}, L2 emptied before each run, interleaved; copy "
         f"{copy_tbps:.2f} TB/s.",
         "",
-        "| call | bf16 us | fp8 us | fp8 / bf16 | fp8 TB/s (of copy) | FlashInfer fp8 us |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| call | bf16 us | fp8 us | fp8 / bf16 | fp8 TB/s (of copy) |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         name = (
@@ -184,13 +130,11 @@ def main() -> int:
             else (f"prefill {r['case']}")
         )
         tbps = f"{r['fp8_tbps']:.2f} ({r['fp8_of_copy'] * 100:.0f}%)" if "fp8_tbps" in r else ""
-        fi = f"{r['us']['flashinfer_fp8']:.1f}" if "flashinfer_fp8" in r["us"] else ""
         lines.append(
             f"| {name} | {r['us']['bf16']:.1f} | {r['us']['fp8']:.1f} | "
-            f"{r['fp8_over_bf16']:.3f} | {tbps} | {fi} |"
+            f"{r['fp8_over_bf16']:.3f} | {tbps} |"
         )
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    harness.write_record(args.out, "fp8", env, dict(rows=rows), lines)
     return 0
 
 

@@ -16,8 +16,6 @@ Writes variants_<GPU>_<date>.json and .md with the command, GPU, torch and CUDA 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -33,21 +31,27 @@ HQ, HKV, D = 32, 8, 128
 TARGETS = {"window": 1.15, "softcap": (1.05, 1.10), "sinks": (1.05, 1.10), "lse": 1.03}
 
 
+def variant_arguments(sink_logits, window_left=-1, softcap=None, sinks=False, lse=False):
+    """astr::attention's keyword arguments for the variants a case turns on."""
+    extra = {}
+    if window_left >= 0:
+        extra["window_left"] = window_left
+    if softcap:
+        extra["softcap"] = softcap
+    if sinks:
+        extra["sinks"] = sink_logits
+    if lse:
+        extra["return_lse"] = True
+    return extra
+
+
 def decode_call(batch: int, length: int, head_dim: int = D):
     q, args = harness.uniform_decode_call(batch, length, HQ, HKV, head_dim)
     args = dict(args, is_causal=True, backend="cuda")
     sinks = torch.randn(HQ, device="cuda")
 
-    def make(**kw):
-        extra = {}
-        if kw.get("window_left", -1) >= 0:
-            extra["window_left"] = kw["window_left"]
-        if kw.get("softcap"):
-            extra["softcap"] = kw["softcap"]
-        if kw.get("sinks"):
-            extra["sinks"] = sinks
-        if kw.get("lse"):
-            extra["return_lse"] = True
+    def make(**variants):
+        extra = variant_arguments(sinks, **variants)
         return lambda: torch.ops.astr.attention(q, **args, **extra)
 
     return make
@@ -70,14 +74,8 @@ def prefill_call(prefixes, chunks, head_dim: int = D):
     )
     sinks = torch.randn(HQ, device=device)
 
-    def make(**kw):
-        extra = {}
-        if kw.get("softcap"):
-            extra["softcap"] = kw["softcap"]
-        if kw.get("sinks"):
-            extra["sinks"] = sinks
-        if kw.get("lse"):
-            extra["return_lse"] = True
+    def make(**variants):
+        extra = variant_arguments(sinks, **variants)
         return lambda: torch.ops.astr.attention(q, **args, **extra)
 
     return make
@@ -150,19 +148,7 @@ def main() -> int:
         print(f"SDPA cuDNN at D=96 did not run: {str(error).splitlines()[0]}")
     harness.free_cached()
 
-    props = torch.cuda.get_device_properties(0)
-    env = dict(
-        command="python3 " + " ".join(sys.argv),
-        gpu=props.name,
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        date=datetime.date.today().isoformat(),
-        repeats=args.repeats,
-    )
-    stem = f"variants_{props.name.replace(' ', '-')}_{env['date']}"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, stem + ".json"), "w") as f:
-        json.dump(dict(env=env, rows=rows, targets=TARGETS), f, indent=1)
+    env = harness.run_environment(args.repeats)
     lines = [
         f"# Attention variants on the cuda backend: {env['gpu']}, {env['date']}",
         "",
@@ -178,8 +164,7 @@ def main() -> int:
             f"| {r['case']} | {r['variant']} | {r['base_us']:.1f} | {r['us']:.1f} | "
             f"{r['ratio']:.3f} |"
         )
-    with open(os.path.join(args.out, stem + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    harness.write_record(args.out, "variants", env, dict(rows=rows, targets=TARGETS), lines)
     return 0
 
 

@@ -9,7 +9,11 @@ flushes nothing, which is what the CPU tests in tests/benchmarks/ exercise.
 
 from __future__ import annotations
 
+import datetime
+import json
 import math
+import os
+import sys
 import time
 import warnings
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -448,3 +452,31 @@ class Runner:
         except Exception as exc:
             self.broken = f"CUDA context broken by {row['peer']} ({short_error(exc)[:120]})"
         free_cached(self.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Records: what a small benchmark writes (bench_attention.py has report.py)
+# --------------------------------------------------------------------------------------------
+def run_environment(repeats: int, **extra) -> dict:
+    """The run a record describes: the command, GPU, torch and CUDA versions, date, repeats."""
+    return dict(
+        command="python3 " + " ".join(sys.argv),
+        gpu=torch.cuda.get_device_properties(0).name,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        date=datetime.date.today().isoformat(),
+        repeats=repeats,
+        **extra,
+    )
+
+
+def write_record(out_dir: str, prefix: str, env: dict, data: dict, lines: List[str]) -> str:
+    """<prefix>_<gpu>_<date>.json (env and data) and .md (lines) under out_dir; returns the
+    stem's path."""
+    stem = os.path.join(out_dir, f"{prefix}_{env['gpu'].replace(' ', '-')}_{env['date']}")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(env=env, **data), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return stem

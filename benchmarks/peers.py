@@ -327,6 +327,35 @@ def flashinfer_kv(problem: AttentionProblem, page_size: int, kv_dtype: torch.dty
     return k_pool, v_pool, dict(k_scale=k_scale, v_scale=v_scale)
 
 
+@dataclass
+class FlashInferInputs:
+    """What FlashInfer's decode and prefill wrappers both take over the shared pool."""
+
+    pool: dict  # problem.paged(page_size)
+    kv_dtype: torch.dtype
+    kv: tuple  # (k_pool, v_pool) in kv_dtype
+    scales: dict  # run()'s k_scale / v_scale for an FP8 copy, else empty
+    page_index: tuple  # (indptr, indices, last_page_len): flashinfer_page_index
+    workspace: torch.Tensor
+
+
+def flashinfer_inputs(
+    problem: AttentionProblem, page_size: int, kv_dtype: Optional[torch.dtype]
+) -> FlashInferInputs:
+    q = problem.q_tokens
+    pool = problem.paged(page_size)
+    data_type = kv_dtype or q.dtype
+    k_pool, v_pool, scales = flashinfer_kv(problem, page_size, data_type)
+    return FlashInferInputs(
+        pool=pool,
+        kv_dtype=data_type,
+        kv=(k_pool, v_pool),
+        scales=scales,
+        page_index=flashinfer_page_index(pool["block_table"], problem.kv_lens, page_size),
+        workspace=torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device),
+    )
+
+
 def flashinfer_decode(
     page_size: int = 16, kv_dtype: Optional[torch.dtype] = None
 ) -> Callable[[AttentionProblem], Callable]:
@@ -337,29 +366,21 @@ def flashinfer_decode(
         import flashinfer
 
         q = problem.q_tokens
-        pool = problem.paged(page_size)
-        data_type = kv_dtype or q.dtype
-        k_pool, v_pool, scales = flashinfer_kv(problem, page_size, data_type)
-        indptr, indices, last = flashinfer_page_index(
-            pool["block_table"], problem.kv_lens, page_size
-        )
-        workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+        inputs = flashinfer_inputs(problem, page_size, kv_dtype)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=True
+            inputs.workspace, "NHD", use_tensor_cores=True
         )
         wrapper.plan(
-            indptr,
-            indices,
-            last,
+            *inputs.page_index,
             problem.num_q_heads,
             problem.num_kv_heads,
             problem.head_dim,
             page_size,
             pos_encoding_mode="NONE",
             q_data_type=q.dtype,
-            kv_data_type=data_type,
+            kv_data_type=inputs.kv_dtype,
         )
-        return lambda: wrapper.run(q, (k_pool, v_pool), **scales)
+        return lambda: wrapper.run(q, inputs.kv, **inputs.scales)
 
     return make
 
@@ -374,28 +395,22 @@ def flashinfer_prefill(
         import flashinfer
 
         q = problem.q_tokens
-        pool = problem.paged(page_size)
-        data_type = kv_dtype or q.dtype
-        k_pool, v_pool, scales = flashinfer_kv(problem, page_size, data_type)
-        indptr, indices, last = flashinfer_page_index(
-            pool["block_table"], problem.kv_lens, page_size
+        inputs = flashinfer_inputs(problem, page_size, kv_dtype)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            inputs.workspace, "NHD", backend=backend
         )
-        workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
         wrapper.plan(
-            pool["query_start_loc"],
-            indptr,
-            indices,
-            last,
+            inputs.pool["query_start_loc"],
+            *inputs.page_index,
             problem.num_q_heads,
             problem.num_kv_heads,
             problem.head_dim,
             page_size,
             causal=problem.is_causal,
             q_data_type=q.dtype,
-            kv_data_type=data_type,
+            kv_data_type=inputs.kv_dtype,
         )
-        return lambda: wrapper.run(q, (k_pool, v_pool), **scales)
+        return lambda: wrapper.run(q, inputs.kv, **inputs.scales)
 
     return make
 

@@ -167,8 +167,8 @@ def test_scales_are_refused_when_wrong():
         bf16.set_scales(0, 1.0, 1.0)
 
 
-def fp8_call_args(scales=True, q_dtype=torch.bfloat16):
-    cache = PagedKVCache(1, 8, 16, 2, 16, dtype=torch.float8_e4m3fn)
+def fp8_call_args(scales=True, q_dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn):
+    cache = PagedKVCache(1, 8, 16, 2, 16, dtype=cache_dtype)
     cache.begin_step([0], [4])
     k_pool, v_pool = cache.layer(0)
     q = torch.randn(4, 4, 16, dtype=q_dtype)
@@ -212,22 +212,10 @@ def test_an_fp8_q_is_refused():
 
 
 def test_scales_with_a_16_bit_cache_are_refused():
-    cache = PagedKVCache(1, 8, 16, 2, 16, dtype=torch.bfloat16)
-    cache.begin_step([0], [4])
-    k_pool, v_pool = cache.layer(0)
+    q, args = fp8_call_args(scales=False, cache_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="k_scale/v_scale: only for an FP8 KV cache"):
         torch.ops.astr.attention(
-            torch.randn(4, 4, 16, dtype=torch.bfloat16),
-            k_cache=k_pool,
-            v_cache=v_pool,
-            block_table=cache.step.block_table,
-            seq_lens=cache.step.seq_lens,
-            query_start_loc=cache.step.query_start_loc,
-            max_query_len=4,
-            mode="prefill",
-            k_scale=torch.ones(2),
-            v_scale=torch.ones(2),
-            backend="torch_native",
+            q, **args, k_scale=torch.ones(2), v_scale=torch.ones(2), backend="torch_native"
         )
 
 
