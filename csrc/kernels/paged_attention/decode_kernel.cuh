@@ -144,6 +144,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     loader.commit();  // one step per stage, empty or not, keeps the wait counts uniform
   }
   if constexpr (!Traits::kPageIdRing) loader.lookup(kStages - 1);
+  // The page ids of the block's tiles, checked once while the first copies are in flight (read
+  // again by the lookups: the same lines, from L2).
+  loader.prescan_page_ids();
 
   // FP8: the kv head's k scale folds into the score scale, its v scale into each output row.
   float k_scale = 1.f, v_scale = 1.f;
@@ -206,8 +209,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // A block pair (kGroups = 2) merges the same way, its groups' shared memory in place of the
   // peers', a block barrier in place of the cluster's. Otherwise a split block writes its
   // normalized result and log2-sum-exp to the workspace for the merge kernel, and a lone block
-  // its output. The group's barrier before the merge also tells every thread whether any copy met
-  // a page outside the pool (poison, variant.cuh).
+  // its output. The group's barrier before the merge also tells every thread whether the block's
+  // page ids left the pool (poison, variant.cuh).
   const bool poisoned =
       group_barrier_or<kGroups, kThreads>(loader.poisoned) || seq.poisoned;  // K/V stages free
   MergedRows<Traits> merged = merge_warp_states<Traits>(reinterpret_cast<unsigned char*>(k_smem),

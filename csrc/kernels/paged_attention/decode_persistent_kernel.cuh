@@ -241,13 +241,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     v_thread = loader.thread_column(v_cache + kv_head_of(k) * v_head_bytes);
     issue_kv_end = range_of(k).end;
   };
-  // A page id outside the pool poisons the item whose tile met it: bit k % 2 for item k (the
-  // issue cursor is at most one item ahead of the consumer).
-  int poison_bits = 0;
   auto issue_tile = [&](int stage, int slot_tile) {
-    bool met = false;
-    loader.issue_at(k_thread, v_thread, issue_kv_end, issue.base + issue.t, stage, slot_tile, met);
-    poison_bits |= static_cast<int>(met) << (issue.k & 1);
+    loader.issue_at(k_thread, v_thread, issue_kv_end, issue.base + issue.t, stage, slot_tile);
   };
   aim_issue(0);
   advance_ids(ids, -1);  // tile 0's ids are in slot 0
@@ -279,6 +274,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   SequenceRows seq{};
   KvRange range{};
   UnmaskedTiles unmasked{};
+  bool item_poisoned = false;  // this thread's share of the item's page ids left the pool
 
   for (int g = 0; valid(consume); ++g) {
     // ---- producer: the claim of the last step stored; the copy of tile g + 1 (and its item's
@@ -307,6 +303,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       row0 = row0_of(k);
       range = block_kv_range(p, seq, row0, 16);
       unmasked = unmasked_tiles(p, seq, range, row0, 16);
+      // The item's page ids, checked once (the copies clamp theirs into the pool).
+      item_poisoned =
+          loader.page_ids_outside_pool(block_table_of(k), consume.base * kTileN, range.end);
       state.reset();
       const T* q_smem = q_buffers + (k & 1) * Traits::kQSmemElements;
 #pragma unroll
@@ -334,9 +333,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (consume.t == consume.tiles - 1) {
       // ---- epilogue of item k: merge the warps' states, write the rows ---------------------
       finish_row_states(state, transform.exp_scale);
-      // Whether a copy of this item met a page outside the pool (its flag is free again after).
-      const bool poisoned = __syncthreads_or((poison_bits >> (k & 1)) & 1) || seq.poisoned;
-      poison_bits &= ~(1 << (k & 1));
+      const bool poisoned = __syncthreads_or(item_poisoned) || seq.poisoned;
       const MergedRows<Traits> merged = merge_warp_states<Traits>(
           merge, state, tid, seq.num_rows - row0, [] { __syncthreads(); });
 #pragma unroll

@@ -13,12 +13,12 @@
 //   wait()              block until the oldest pending tile is in shared memory, visible to
 //                       every thread
 //
-// A page id outside [0, num_pages) is never followed: its rows are zero-filled like rows past
-// kv_end, and the loader's `poisoned` flag is set (the kernel writes the rows of that sequence as
-// NaN, variant.cuh). So no block-table value makes a copy read outside the pools. Kernels whose
-// traits set kIdsPrescanned (the prefills) check their range's ids once up front instead
-// (prescan_page_ids) and a copy only clamps its id into the pool: per copy, the check cost the
-// prefill 5-7% (more instructions, and the copy waiting on the id's compare; lab/NOTES.md).
+// A page id outside [0, num_pages) is never followed: every kernel checks the ids of its kv range
+// once (prescan_page_ids, each id read by one thread) and sets the loader's `poisoned` flag (the
+// kernel writes the rows of that sequence as NaN, variant.cuh); a copy only clamps its id into
+// the pool. So no block-table value makes a copy read outside the pools. Checked per copy
+// instead, the compare cost the prefill 5-7% (more instructions, and the copy waiting on it) and
+// the decode up to 5% (lab/NOTES.md).
 //
 // 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
 // page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
@@ -41,6 +41,7 @@
 
 #include "../common/device_primitives.cuh"
 #include "params.h"
+#include "traits.h"
 
 namespace astrai::kernels {
 
@@ -95,7 +96,6 @@ struct KVTileLoader {
   static constexpr int kRowsPerPass = kOneColumn ? kThreads / kChunks : 0;
   static_assert((kTileN * kChunks) % kThreads == 0, "tile copy must divide evenly");
   static_assert(kOneColumn || !Traits::kPageIdRing, "page-id ring: one column per thread");
-  static constexpr bool kPrescanned = Traits::kIdsPrescanned;
 
   // Page ids: one tile ahead in registers (lookup), or from the ring (fetch_ids): kIdSlots tiles
   // of kTileN ids, tile t in slot t % kIdSlots.
@@ -113,7 +113,7 @@ struct KVTileLoader {
   int row0, chunk, thread;
   int pages[kIdRing ? 1 : kCopies];
   int32_t* id_ring;       // kIdRing: [kIdSlots][kTileN]
-  bool poisoned = false;  // a copy met a page id outside the pool
+  bool poisoned = false;  // prescan_page_ids met a page id outside the pool
 
   __device__ __forceinline__ KVTileLoader(const KVTileSource& source, KV* k_stages, KV* v_stages,
                                           int tid, int32_t* page_id_ring = nullptr)
@@ -135,15 +135,41 @@ struct KVTileLoader {
     return (thread + i * kThreads) % kChunks;
   }
 
-  // kPrescanned: sets `poisoned` where a page id of positions [kv_begin, lookup_end) lies outside
-  // the pool, each id read by one thread; the kernel ORs the flag over the block at its end.
+  // Sets `poisoned` where a page id of the block's tiles lies outside the pool: positions
+  // [kv_begin, kv_end) when the tiles follow each other (tile_step = kTileN), else each tile's
+  // own kTileN positions (a split decode block's tiles kv_begin + t * tile_step, which start at
+  // multiples of kTileN: a tile holds whole pages or lies in one). The kernel ORs the flag over
+  // the block before it writes.
   __device__ __forceinline__ void prescan_page_ids() {
-    static_assert(kPrescanned, "prescan_page_ids: traits with kIdsPrescanned");
-    if (src.lookup_end <= src.kv_begin) return;
-    const int first = src.kv_begin >> src.log2_page_size;
-    const int last = ((src.lookup_end - 1) >> src.log2_page_size) + 1;
-    for (int i = first + thread; i < last; i += kThreads)
-      poisoned |= static_cast<unsigned>(src.block_table[i]) >= static_cast<unsigned>(src.num_pages);
+    if constexpr (is_power_of_two(kTileN)) {  // split tiles: the decode's, powers of two
+      if (src.tile_step != kTileN) {
+        const int log2_page = src.log2_page_size;
+        const int log2_ids = max(0, ilog2(kTileN) - log2_page);  // page ids per tile, log2
+        const int tiles = (src.kv_end - src.kv_begin + src.tile_step - 1) / src.tile_step;
+        for (int i = thread; i < (tiles << log2_ids); i += kThreads) {
+          const int pos = src.kv_begin + (i >> log2_ids) * src.tile_step +
+                          ((i & ((1 << log2_ids) - 1)) << log2_page);
+          if (pos < src.kv_end) poisoned |= outside_pool(src.block_table[pos >> log2_page]);
+        }
+        return;
+      }
+    }
+    poisoned |= page_ids_outside_pool(src.block_table, src.kv_begin, src.kv_end);
+  }
+  // Whether a page id of positions [begin, end) of a block-table row lies outside the pool, each
+  // id read by one thread of the group (this thread's share; OR the result over the group).
+  __device__ __forceinline__ bool page_ids_outside_pool(const int32_t* block_table, int begin,
+                                                        int end) const {
+    bool outside = false;
+    if (end <= begin) return outside;
+    const int first = begin >> src.log2_page_size;
+    const int last = ((end - 1) >> src.log2_page_size) + 1;
+    for (int i = first + thread; i < last; i += kThreads) outside |= outside_pool(block_table[i]);
+    return outside;
+  }
+  // Unsigned: negative ids too.
+  __device__ __forceinline__ bool outside_pool(int32_t page) const {
+    return static_cast<unsigned>(page) >= static_cast<unsigned>(src.num_pages);
   }
 
   __device__ __forceinline__ void lookup(int tile) {
@@ -181,14 +207,12 @@ struct KVTileLoader {
   }
 
   __device__ __forceinline__ void issue(int tile, int stage) {
-    issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile, poisoned);
+    issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile);
   }
   // The same for another (sequence, kv head): its columns (thread_column) and kv end, page ids
   // from the ring slot of tile slot_tile.
-  // poison: the flag that a page id outside the pool sets (the persistent decode keeps one per
-  // item in flight; the other kernels the loader's own).
   __device__ __forceinline__ void issue_at(const char* k_column, const char* v_column, int kv_end,
-                                           int tile, int stage, int slot_tile, bool& poison) {
+                                           int tile, int stage, int slot_tile) {
     const int pos0 = src.kv_begin + tile * src.tile_step;
     const int page_mask = (1 << src.log2_page_size) - 1;
     KV* k_dst = k_smem + stage * Traits::kTileElements;
@@ -198,23 +222,17 @@ struct KVTileLoader {
       const int row = copy_row(i);
       const int pos = pos0 + row;
       // Rows past kv_end read nothing (zero fill); page 0 keeps their address a plain pool
-      // address (their looked-up id may be anything). So do rows whose page id is not a page of
-      // the pool (unsigned compare: negative ids too).
-      bool valid = pos < kv_end;
+      // address (their looked-up id may be anything). An id outside the pool is clamped into it
+      // (prescan_page_ids has poisoned the rows).
+      const bool valid = pos < kv_end;
       int page = 0;
       if (valid) {
         if constexpr (kIdRing)
           page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + (row >> src.log2_page_size)];
         else
           page = pages[i];
-        if constexpr (kPrescanned) {  // the kernel poisons the rows; the read stays in the pool
-          page = static_cast<int>(
-              min(static_cast<unsigned>(page), static_cast<unsigned>(src.num_pages) - 1u));
-        } else if (static_cast<unsigned>(page) >= static_cast<unsigned>(src.num_pages)) {
-          poison = true;
-          valid = false;
-          page = 0;
-        }
+        page = static_cast<int>(
+            min(static_cast<unsigned>(page), static_cast<unsigned>(src.num_pages) - 1u));
       }
       const int slot = pos & page_mask;
       const int column = copy_chunk(i);

@@ -57,8 +57,7 @@ struct PrefillWgmmaTraits {
       kElementBytes;  // FP8 pages reach it dequantized (dequantize_pages.cu)
   static constexpr int kKVChunksPerRow = kChunksPerRow;
   static constexpr bool kWgmmaTiles = true;
-  static constexpr bool kPageIdRing = false;    // page ids into registers (kv_tile_loader.cuh)
-  static constexpr bool kIdsPrescanned = true;  // checked once per block (prescan_page_ids)
+  static constexpr bool kPageIdRing = false;  // page ids into registers (kv_tile_loader.cuh)
   static constexpr int kPageIdSlots = 0;
   static constexpr int kTileElements = kTileN * kHeadDim;
   static constexpr int kQElements = kBlockRows * kHeadDim;
@@ -213,7 +212,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       alpha[half] = online_softmax_row<kTileN / 8>(
           [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
-          row_sum[half], transform.exp_scale);
+          row_sum[half], transform.exp_scale, transform.split_exp2);
     }
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];

@@ -44,6 +44,7 @@
 namespace astrai::kernels {
 
 constexpr bool is_power_of_two(int value) { return value > 0 && (value & (value - 1)) == 0; }
+constexpr int ilog2(int value) { return value > 1 ? 1 + ilog2(value / 2) : 0; }
 
 // Shared memory of an H100/H200 SM, the most one block may take, and what the driver keeps per
 // resident block: the figures the residency below is computed from.
@@ -120,8 +121,6 @@ struct PagedAttentionTraits {
   // lab/NOTES.md). The ring holds kPageIdSlots tiles
   // of kTileN ids (one per row, at page size 1), after the V stages.
   static constexpr bool kPageIdRing = kDecode && kWarps == 8;
-  // The prefill checks its page ids once per block (kv_tile_loader.cuh: prescan_page_ids).
-  static constexpr bool kIdsPrescanned = !kDecode;
   static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
   static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
 

@@ -152,15 +152,19 @@ __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
 
 // How raw scores q . k (fp32 accumulators) enter the online softmax. A positive scale is folded
 // into the exponent (exp2(s * c - max * c): one FFMA per score, online_softmax.cuh); otherwise the
-// scores are multiplied first. With a softcap they become softcap * log2(e) * tanh(s * scale /
-// softcap), already in the log2 domain.
+// scores are multiplied first. With a softcap the scores become tanh(s * scale / softcap) and
+// softcap * log2(e) is what folds into the exponent.
+//
+// A softcap puts a tanh next to every exp2 on the SFU, the unit that computes both at a quarter
+// of the FMA pipe's rate, and the prefill then waits on it: the exp2 of every second score is
+// computed on the FMA pipe instead (split_exp2, fma_exp2 in device_primitives.cuh).
 struct ScoreTransform {
   float scale_log2;  // scale * log2(e) (times the kv head's k scale)
   float exp_scale;   // what online_softmax_row multiplies scores and the max by
   bool fold;         // scale_log2 folded into exp_scale
   bool softcap;      // softcap on
   float cap_in;      // scale / softcap
-  float cap_out;     // softcap * log2(e)
+  bool split_exp2;   // every second exp2 on the FMA pipe
 };
 __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionParams& p,
                                                           float scale_log2) {
@@ -168,9 +172,9 @@ __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionPa
   t.scale_log2 = scale_log2;
   t.softcap = p.softcap > 0.f;
   t.fold = !t.softcap && scale_log2 > 0.f;
-  t.exp_scale = t.fold ? scale_log2 : 1.f;
+  t.exp_scale = t.softcap ? p.softcap * kLog2e : (t.fold ? scale_log2 : 1.f);
   t.cap_in = t.softcap ? scale_log2 / (kLog2e * p.softcap) : 0.f;
-  t.cap_out = p.softcap * kLog2e;
+  t.split_exp2 = t.softcap;
   return t;
 }
 
@@ -186,7 +190,7 @@ template <int kCount, typename Score>
 __device__ __forceinline__ void transform_scores(const ScoreTransform& t, Score&& score) {
   if (t.softcap) {
 #pragma unroll
-    for (int i = 0; i < kCount; ++i) score(i) = t.cap_out * fast_tanh(score(i) * t.cap_in);
+    for (int i = 0; i < kCount; ++i) score(i) = fast_tanh(score(i) * t.cap_in);
   } else if (!t.fold) {
 #pragma unroll
     for (int i = 0; i < kCount; ++i) score(i) *= t.scale_log2;
