@@ -7,6 +7,8 @@ as the row's error. `view` turns the peer's output into the reference's [T, Hq, 
 
   astrai (torch.ops.astr.attention, the resolver included, over a shuffled paged pool):
     cuda_ps16, cuda_ps1     backend="cuda", page size 16 / 1
+    cuda_ps16_fp8           the same over FlashInfer's FP8 peers' e4m3 copy of the pool and
+                            scales (decode; not in the default selection)
     torch_native            backend="torch_native", page size 16
     astrai_flash            backend="flash" (the flash-attn package: FlashAttention-4/3/2,
                             whichever imports), page size 256 (FlashAttention-2's paged KV needs
@@ -156,11 +158,17 @@ class Peer:
 
 
 def astrai_attention(
-    backend: str, page_size: int, namespace: str = "astr", ask_resolver: bool = True
+    backend: str,
+    page_size: int,
+    namespace: str = "astr",
+    ask_resolver: bool = True,
+    kv_dtype: Optional[torch.dtype] = None,
 ) -> Callable[[AttentionProblem], Callable]:
     """torch.ops.<namespace>.attention over the paged pool with backend=<backend>, the resolver
     included. With ask_resolver it first asks the library's explain op which backend it would
-    use, so that a refusal or a silent fallback is reported instead of timed."""
+    use, so that a refusal or a silent fallback is reported instead of timed. kv_dtype FP8: over
+    the FP8 copy of the pool that FlashInfer's FP8 peers read (its one scale per pool as every
+    kv head's scale)."""
 
     def make(problem: AttentionProblem) -> Callable:
         ops = getattr(torch.ops, namespace)
@@ -172,6 +180,14 @@ def astrai_attention(
                 f"namespace {namespace!r} (load one with --baseline-lib)"
             ) from exc
         kwargs = dict(problem.paged(page_size), backend=backend)
+        if kv_dtype is not None and kv_dtype != problem.q_tokens.dtype:
+            k_pool, v_pool, scales = flashinfer_kv(problem, page_size, kv_dtype)
+            heads = problem.num_kv_heads
+            kwargs.update(k_cache=k_pool, v_cache=v_pool)
+            for name, value in scales.items():
+                kwargs[name] = torch.full(
+                    (heads,), value, dtype=torch.float32, device=problem.device
+                )
         kwargs.update(max_query_len=max(problem.q_lens), mode=problem.kind)
         if problem.is_causal:
             kwargs["is_causal"] = True
@@ -426,13 +442,20 @@ BASELINE_SUFFIX = "_before"
 BOTH = ("decode", "prefill")
 
 
+def fp8_fields(kv_dtype: Optional[torch.dtype]) -> dict:
+    """A peer's tolerance and bytes per element over an FP8 copy of the pool."""
+    return dict(tolerance=FP8_TOLERANCE, kv_element_bytes=1) if kv_dtype else {}
+
+
 def registry(baseline_namespace: str = "astr_old") -> Dict[str, Peer]:
     """Every peer, in the order of the tables' columns (a baseline peer right after its
     partner)."""
 
-    def astrai(name, backend, page_size, kinds=BOTH, skip=lambda problem: None):
-        make = astrai_attention(backend, page_size)
-        return Peer(name, kinds, make, as_tokens, "astrai", page_size, skip=skip)
+    def astrai(name, backend, page_size, kinds=BOTH, skip=lambda problem: None, kv_dtype=None):
+        make = astrai_attention(backend, page_size, kv_dtype=kv_dtype)
+        return Peer(
+            name, kinds, make, as_tokens, "astrai", page_size, skip=skip, **fp8_fields(kv_dtype)
+        )
 
     def before(partner: Peer) -> Peer:
         backend = {"cuda_ps16": "cuda", "cuda_ps1": "cuda", "torch_native": "torch_native"}
@@ -462,8 +485,16 @@ def registry(baseline_namespace: str = "astr_old") -> Dict[str, Peer]:
         )
 
     def flashinfer(name, kinds, make, kv_dtype=None):
-        fp8 = dict(tolerance=FP8_TOLERANCE, kv_element_bytes=1) if kv_dtype else {}
-        return Peer(name, kinds, make, as_tokens, "flashinfer", 16, skip=flashinfer_skip, **fp8)
+        return Peer(
+            name,
+            kinds,
+            make,
+            as_tokens,
+            "flashinfer",
+            16,
+            skip=flashinfer_skip,
+            **fp8_fields(kv_dtype),
+        )
 
     fp8 = torch.float8_e4m3fn
     cuda_ps16 = astrai("cuda_ps16", "cuda", 16)
@@ -481,6 +512,7 @@ def registry(baseline_namespace: str = "astr_old") -> Dict[str, Peer]:
         flashinfer("flashinfer_fa3", ("prefill",), flashinfer_prefill("fa3")),
         flashinfer("flashinfer_fa2", ("prefill",), flashinfer_prefill("fa2")),
         *(sdpa_peer(name) for name in SDPA_BACKENDS),
+        astrai("cuda_ps16_fp8", "cuda", 16, kinds=("decode",), kv_dtype=fp8),
         flashinfer("flashinfer_decode_fp8", ("decode",), flashinfer_decode(kv_dtype=fp8), fp8),
         flashinfer("flashinfer_fa3_fp8", ("prefill",), flashinfer_prefill("fa3", fp8), fp8),
     ]

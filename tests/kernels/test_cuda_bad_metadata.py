@@ -75,6 +75,8 @@ def corrupt(batch, case):
         table[1, 1] = pages + 1000
     elif case == "huge_page":
         table[1, 0] = 2**31 - 1
+    elif case == "last_page_negative":  # a split's later tile, not its first
+        table[1, (int(lens[1]) - 1) // batch.page_size] = -2
     elif case == "length_past_the_table":
         lens[1] = table.shape[1] * batch.page_size + 5000
     elif case == "negative_length":
@@ -86,6 +88,7 @@ CASES = [
     "negative_page",
     "page_past_the_pool",
     "huge_page",
+    "last_page_negative",
     "length_past_the_table",
     "negative_length",
 ]

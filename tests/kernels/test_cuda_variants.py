@@ -171,6 +171,27 @@ def test_prefill_variants_match_reference(variant, head_dim, dtype, prefill_kern
     assert_variant_close(out, lse, ref_out, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("exp2_on_fma", [0, 1, 2])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("head_dim", [h for h in HEAD_DIMS if h in (64, 128)])
+def test_softcap_is_exact_whichever_unit_takes_the_exp2(exp2_on_fma, decode, head_dim, tuning):
+    """With a softcap some exp2 run on the FMA pipe instead of the SFU (softcap_exp2_on_fma):
+    0, 1 or 2 of each pair of scores give the reference's answer. Wide scores (q times 6) reach
+    deep into exp2's range, and a window masks keys (exp2 of -inf is 0)."""
+    tuning(f"softcap_exp2_on_fma={exp2_on_fma}")
+    g = torch.Generator(device="cuda").manual_seed(1100 + head_dim + exp2_on_fma)
+    lens, q_lens = ([40, 700, 2100], [1, 1, 1]) if decode else ([300, 900, 2100], [300, 64, 129])
+    batch = PagedBatch(lens, q_lens, 8, 2, head_dim, 16, torch.bfloat16, generator=g)
+    q = (batch.q.float() * 6).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(head_dim)
+    out, lse = run(batch, q, decode, scale, 500, 30.0)
+    ref_out, ref_lse = variant_reference(batch, q, scale, 500, 30.0)
+    assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
+    # Control: the same call without the softcap is far from the softcapped reference.
+    plain, _ = run(batch, q, decode, scale, 500, None)
+    assert (plain.double() - ref_out).abs().max().item() > 0.1
+
+
 def test_prefill_variants_with_a_mask_and_a_row_that_sees_nothing(prefill_kernel):
     """A user mask with the window and sinks: a row that sees no key gives out 0 and lse = its
     sink; without sinks, lse -inf."""

@@ -154,7 +154,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     k_scale = p.k_scale[kv_head];
     v_scale = p.v_scale[kv_head];
   }
-  const ScoreTransform transform = score_transform(p, args.scale_log2 * k_scale);
+  const ScoreTransform transform =
+      score_transform(p, args.scale_log2 * k_scale, args.softcap_exp2_on_fma);
   const Fp8Conversion fp8 = fp8_conversion<T>(p.kv_dtype == ScalarType::kFloat8E5M2);
 
   for (int tile = 0; tile < num_tiles; ++tile) {

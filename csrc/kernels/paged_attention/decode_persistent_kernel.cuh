@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   loader.commit();
 
-  const ScoreTransform transform = score_transform(p, args.scale_log2);
+  const ScoreTransform transform = score_transform(p, args.scale_log2, args.softcap_exp2_on_fma);
   const int warp_col0 = warp * Traits::kWarpTileN;
   T* out = static_cast<T*>(p.out);
 

@@ -155,26 +155,28 @@ __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
 // scores are multiplied first. With a softcap the scores become tanh(s * scale / softcap) and
 // softcap * log2(e) is what folds into the exponent.
 //
-// A softcap puts a tanh next to every exp2 on the SFU, the unit that computes both at a quarter
-// of the FMA pipe's rate, and the prefill then waits on it: the exp2 of every second score is
-// computed on the FMA pipe instead (split_exp2, fma_exp2 in device_primitives.cuh).
+// A softcap puts a tanh next to every exp2 on the SFU, the unit that computes both at an eighth
+// of the FMA pipe's rate, and the prefill then waits on it: some exp2 are computed on the FMA
+// pipe instead (exp2_on_fma of each pair of scores, the plan's softcap_exp2_on_fma;
+// fma_exp2 in device_primitives.cuh).
 struct ScoreTransform {
   float scale_log2;  // scale * log2(e) (times the kv head's k scale)
   float exp_scale;   // what online_softmax_row multiplies scores and the max by
   bool fold;         // scale_log2 folded into exp_scale
   bool softcap;      // softcap on
   float cap_in;      // scale / softcap
-  bool split_exp2;   // every second exp2 on the FMA pipe
+  int exp2_on_fma;   // exp2 of each pair of scores on the FMA pipe (online_softmax_row)
 };
 __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionParams& p,
-                                                          float scale_log2) {
+                                                          float scale_log2,
+                                                          int softcap_exp2_on_fma) {
   ScoreTransform t;
   t.scale_log2 = scale_log2;
   t.softcap = p.softcap > 0.f;
   t.fold = !t.softcap && scale_log2 > 0.f;
   t.exp_scale = t.softcap ? p.softcap * kLog2e : (t.fold ? scale_log2 : 1.f);
   t.cap_in = t.softcap ? scale_log2 / (kLog2e * p.softcap) : 0.f;
-  t.split_exp2 = t.softcap;
+  t.exp2_on_fma = t.softcap ? softcap_exp2_on_fma : 0;
   return t;
 }
 
