@@ -6,8 +6,6 @@
   - softcap, sinks, return_lse: each against the same call without it, decode (B=16, L=8192 and
     B=64, L=4096) and causal prefill (B=1, S=8192; a ragged batch with cached prefixes)
     (targets: softcap and sinks at most 1.05x on decode and 1.10x on prefill; lse at most 1.03x);
-    the softcapped prefill also with 0 and 2 of each pair of exp2 on the FMA pipe
-    (softcap_exp2_on_fma, plan.h; the default is 1);
   - head dim 96 against 128 (decode and prefill), and its prefill against SDPA cuDNN.
 
     python3 benchmarks/bench_variants.py [--out DIR] [--repeats N]
@@ -45,19 +43,6 @@ def variant_arguments(sink_logits, window_left=-1, softcap=None, sinks=False, ls
     if lse:
         extra["return_lse"] = True
     return extra
-
-
-def under_tuning(tuning: str, fn):
-    """fn run with the cuda backend's kernel tuning set to `tuning` (plan.h's keys)."""
-
-    def run():
-        torch.ops.astr.set_kernel_tuning(tuning)
-        try:
-            return fn()
-        finally:
-            torch.ops.astr.set_kernel_tuning("")
-
-    return run
 
 
 def decode_call(batch: int, length: int, head_dim: int = D):
@@ -134,22 +119,10 @@ def main() -> int:
         ("prefill ragged 8, cached prefixes", mix),
     ):
         make = prefill_call(prefixes, chunks)
-        # The softcap's exp2: 1 of each pair on the FMA pipe (the default), and 0 or 2.
-        softcap_units = {
-            f"softcap, {share} exp2/pair on FMA": under_tuning(
-                f"softcap_exp2_on_fma={share}", make(softcap=30.0)
-            )
-            for share in (0, 2)
-        }
         compare(
             case,
             make(),
-            {
-                "softcap": make(softcap=30.0),
-                **softcap_units,
-                "sinks": make(sinks=True),
-                "lse": make(lse=True),
-            },
+            {"softcap": make(softcap=30.0), "sinks": make(sinks=True), "lse": make(lse=True)},
         )
         harness.free_cached()
 

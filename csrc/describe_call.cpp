@@ -185,6 +185,11 @@ void validate_paged_values(const AttentionArgs& a, int64_t num_pages, int64_t pa
   }
   for (int64_t b = 0; b < batch; ++b) {
     int64_t q_len = 1;
+    if (a.decode() && start) {
+      ASTR_CHECK(start[b + 1] - start[b] == 1, "query_start_loc: decode takes one token per ",
+                 "sequence (0, 1, ..., batch), entry ", b + 1, " is ", start[b + 1], " after ",
+                 start[b]);
+    }
     if (!a.decode()) {
       ASTR_CHECK(start != nullptr, "query_start_loc: required for paged prefill");
       q_len = start[b + 1] - start[b];

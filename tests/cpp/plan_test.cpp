@@ -303,25 +303,21 @@ TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
   KernelTuning tuning;
   EXPECT_EQ(astrai::kernels::parse_kernel_tuning(
                 "decode_form=eight_warps,decode_splits=4,persistent_blocks=7,"
-                "prefill_kernel=mma_sync,softcap_exp2_on_fma=2",
+                "prefill_kernel=mma_sync",
                 &tuning),
             "");
   EXPECT_EQ(tuning.decode_form, DecodeForm::kEightWarps);
   EXPECT_EQ(tuning.decode_splits, 4);
   EXPECT_EQ(tuning.persistent_blocks, 7);
   EXPECT_EQ(tuning.prefill_kernel, PrefillKernel::kMmaSync);
-  EXPECT_EQ(tuning.softcap_exp2_on_fma, 2);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), tuning).softcap_exp2_on_fma, 2);
-  EXPECT_EQ(plan(decode(16, 2048), h200(), "softcap_exp2_on_fma=0").softcap_exp2_on_fma, 0);
   for (const char* bad : {"decode_form=fast", "decode_splits=0", "decode_splits=x", "speed=1",
-                          "decode_splits=70000", "softcap_exp2_on_fma=3"}) {
+                          "decode_splits=70000"}) {
     KernelTuning unchanged = tuning;
     EXPECT_NE(astrai::kernels::parse_kernel_tuning(bad, &unchanged), "") << bad;
     EXPECT_EQ(unchanged.decode_splits, 4) << bad;
   }
   EXPECT_EQ(astrai::kernels::parse_kernel_tuning("", &tuning), "");
   EXPECT_EQ(tuning.decode_form, DecodeForm::kAuto);
-  EXPECT_EQ(tuning.softcap_exp2_on_fma, astrai::kernels::kSoftcapExp2OnFma);
 }
 
 TEST(PrefillPlan, WgmmaWhereTheHeadDimCompilesItOnSm90aElseMmaSync) {

@@ -273,6 +273,11 @@ def _paged_cases():
             with_(c, max_query_len=2),
             "max_query_len: 2 is less than sequence 1's 3 new tokens",
         ),
+        "decode query_start_loc not one token per sequence": (
+            with_(d, query_start_loc=int32(0, 2, 2)),
+            r"query_start_loc: decode takes one token per sequence \(0, 1, ..., batch\), "
+            "entry 1 is 2 after 0",
+        ),
         "decode with T != B": (
             with_(d, q=c["q"]),
             "q: decode takes one token per sequence: expected 2",

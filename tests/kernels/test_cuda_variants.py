@@ -171,22 +171,23 @@ def test_prefill_variants_match_reference(variant, head_dim, dtype, prefill_kern
     assert_variant_close(out, lse, ref_out, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("exp2_on_fma", [0, 1, 2])
+@pytest.mark.parametrize("softcap", [2.0, 50.0, 55.0, 56.0, 200.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("head_dim", [h for h in HEAD_DIMS if h in (64, 128)])
-def test_softcap_is_exact_whichever_unit_takes_the_exp2(exp2_on_fma, decode, head_dim, tuning):
-    """With a softcap some exp2 run on the FMA pipe instead of the SFU (softcap_exp2_on_fma):
-    0, 1 or 2 of each pair of scores give the reference's answer. Wide scores (q times 6) reach
-    deep into exp2's range, and a window masks keys (exp2 of -inf is 0)."""
-    tuning(f"softcap_exp2_on_fma={exp2_on_fma}")
-    g = torch.Generator(device="cuda").manual_seed(1100 + head_dim + exp2_on_fma)
+def test_softcap_matches_reference_with_and_without_a_fixed_max(softcap, dtype, decode, head_dim):
+    """A softcap up to 55.4 with bf16 runs the softmax with its max fixed at 0 (variant.cuh); a
+    larger one, or fp16, keeps the running max. Both give the reference's answer on wide scores
+    (q times 8: scores of +-40 and more, weights from 2^-80 to 2^80 with the fixed max), with a
+    window that masks keys, and the lse."""
+    g = torch.Generator(device="cuda").manual_seed(1100 + head_dim + int(softcap))
     lens, q_lens = ([40, 700, 2100], [1, 1, 1]) if decode else ([300, 900, 2100], [300, 64, 129])
-    batch = PagedBatch(lens, q_lens, 8, 2, head_dim, 16, torch.bfloat16, generator=g)
-    q = (batch.q.float() * 6).to(torch.bfloat16)
+    batch = PagedBatch(lens, q_lens, 8, 2, head_dim, 16, dtype, generator=g)
+    q = (batch.q.float() * 8).to(dtype)
     scale = 1.0 / math.sqrt(head_dim)
-    out, lse = run(batch, q, decode, scale, 500, 30.0)
-    ref_out, ref_lse = variant_reference(batch, q, scale, 500, 30.0)
-    assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
+    out, lse = run(batch, q, decode, scale, 500, softcap)
+    ref_out, ref_lse = variant_reference(batch, q, scale, 500, softcap)
+    assert_variant_close(out, lse, ref_out, ref_lse, dtype)
     # Control: the same call without the softcap is far from the softcapped reference.
     plain, _ = run(batch, q, decode, scale, 500, None)
     assert (plain.double() - ref_out).abs().max().item() > 0.1

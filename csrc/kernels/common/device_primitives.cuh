@@ -190,20 +190,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA pipe, for x <= 0 (an online softmax's exponents), where the SFU is the busier
-// unit: x = j + f with j = round(x) (the 1.5 * 2^23 shifter puts j in the low mantissa bits), 2^f
-// for f in [-1/2, 1/2] by a cubic fit to relative error 7.5e-5 (bf16 rounds P to 2^-9), and j
-// added to the exponent field. Below -126 it gives 0, as ex2.approx.ftz does.
-__device__ __forceinline__ float fma_exp2(float x) {
-  constexpr float kShifter = 12582912.f;  // 1.5 * 2^23
-  const float clamped = fmaxf(x, -127.f);
-  const float shifted = clamped + kShifter;
-  const float f = clamped - (shifted - kShifter);
-  const float p = fmaf(fmaf(fmaf(0.05517132f, f, 0.24261054f), f, 0.69326097f), f, 0.9999281f);
-  const float y = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-  return x < -126.f ? 0.f : y;
-}
-
 // Shared-memory tiles of rows of kRowElements elements (16-byte chunks of kChunkElements: 8 for
 // 16-bit elements, 16 for FP8), in one of two layouts:
 //

@@ -16,12 +16,26 @@ namespace astrai::kernels {
 // An unchanged max gives alpha = 1 outright: with the folded scale ptxas contracts
 // row_max * exp_scale - base into one FFMA, whose rounding residual would otherwise give
 // exp2(~1e-7) != 1 and defeat the kernels' skip of a rescale by exactly 1.
-// exp2_on_fma (uniform): how many scores of each pair take their exp2 on the FMA pipe (fma_exp2 in
-// device_primitives.cuh) instead of the SFU, 0, 1 or 2: where the SFU also computes a tanh per
-// score (a softcap, variant.cuh), it is the busier unit.
+// fixed_max (uniform): the scores are bounded (a softcap's tanh, variant.cuh) and the max stays
+// 0: no max, no rescale (alpha = 1), the weights exp2(s * exp_scale) as they are.
 template <int kBlocksN, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score score, float& row_max, float& row_sum,
-                                                    float exp_scale, int exp2_on_fma) {
+                                                    float exp_scale, bool fixed_max) {
+  if (fixed_max) {
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kBlocksN; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& s = score(nt, e);
+        s = fast_exp2(s * exp_scale);
+        sum += s;
+      }
+    }
+    row_max = 0.f;
+    row_sum += sum;
+    return 1.f;
+  }
   constexpr float kNegInf = -INFINITY;
   float tile_max = kNegInf;
 #pragma unroll
@@ -35,25 +49,15 @@ __device__ __forceinline__ float online_softmax_row(Score score, float& row_max,
   const float alpha = new_max == row_max ? 1.f : fast_exp2(row_max * exp_scale - base);
   row_max = new_max;
   float sum = 0.f;
-  auto weigh = [&](auto exp0, auto exp1) {
 #pragma unroll
-    for (int nt = 0; nt < kBlocksN; ++nt) {
-      float& s0 = score(nt, 0);
-      float& s1 = score(nt, 1);
-      s0 = exp0(fmaf(s0, exp_scale, -base));
-      s1 = exp1(fmaf(s1, exp_scale, -base));
-      sum += s0;
-      sum += s1;
+  for (int nt = 0; nt < kBlocksN; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float& s = score(nt, e);
+      s = fast_exp2(fmaf(s, exp_scale, -base));
+      sum += s;
     }
-  };
-  auto on_sfu = [](float x) { return fast_exp2(x); };
-  auto on_fma = [](float x) { return fma_exp2(x); };
-  if (exp2_on_fma == 0)
-    weigh(on_sfu, on_sfu);
-  else if (exp2_on_fma == 1)
-    weigh(on_sfu, on_fma);
-  else
-    weigh(on_fma, on_fma);
+  }
   row_sum = row_sum * alpha + sum;
   return alpha;
 }

@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     v_scale = p.v_scale[kv_head];
   }
   const ScoreTransform transform =
-      score_transform(p, args.scale_log2 * k_scale, args.softcap_exp2_on_fma);
+      score_transform(p, args.scale_log2 * k_scale, std::is_same_v<T, __nv_bfloat16>);
   const Fp8Conversion fp8 = fp8_conversion<T>(p.kv_dtype == ScalarType::kFloat8E5M2);
 
   for (int tile = 0; tile < num_tiles; ++tile) {

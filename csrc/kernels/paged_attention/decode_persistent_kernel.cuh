@@ -264,7 +264,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   loader.commit();
 
-  const ScoreTransform transform = score_transform(p, args.scale_log2, args.softcap_exp2_on_fma);
+  const ScoreTransform transform =
+      score_transform(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
   const int warp_col0 = warp * Traits::kWarpTileN;
   T* out = static_cast<T*>(p.out);
 

@@ -141,7 +141,6 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePl
   if (params.num_tokens == 0) return {};
   PagedKernelArgs args = kernel_args(params);
   args.num_splits = plan.num_splits;
-  args.softcap_exp2_on_fma = plan.softcap_exp2_on_fma;
   args.merge_in_cluster = plan.form == DecodeForm::kCluster;
   args.persistent_blocks = plan.persistent_blocks;
   args.claim_counter = params.persistent_claim_counter;
@@ -176,7 +175,6 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
   PagedKernelArgs args = kernel_args(params);
   args.query_start_loc = params.query_start_loc;
   args.max_query_len = params.max_query_len;
-  args.softcap_exp2_on_fma = plan.softcap_exp2_on_fma;
   const bool wgmma = plan.kernel == PrefillKernel::kWgmma;
   status = {"paged prefill: head_dim " + std::to_string(params.head_dim) + " is not built"};
   for_head_dim(params.head_dim, [&](auto d) {

@@ -153,8 +153,6 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       ok = parse_int(value, 1, 65535, &parsed.decode_splits);
     } else if (key == "persistent_blocks") {
       ok = parse_int(value, 1, 1 << 20, &parsed.persistent_blocks);
-    } else if (key == "softcap_exp2_on_fma") {
-      ok = parse_int(value, 0, 2, &parsed.softcap_exp2_on_fma);
     } else if (key == "prefill_kernel") {
       ok = false;
       for (PrefillKernel kernel :
@@ -171,7 +169,7 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       return "kernel tuning: cannot read '" + std::string(item) +
              "' (expected comma-separated decode_form=auto|split|cluster|block_pairs|"
              "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
-             "prefill_kernel=auto|wgmma|mma_sync, softcap_exp2_on_fma=0..2)";
+             "prefill_kernel=auto|wgmma|mma_sync)";
     }
   }
   *tuning = parsed;
@@ -230,7 +228,6 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
                                fits_block(footprint.persistent_block_smem, device) &&
                                persistent_grid > 0 && items <= INT32_MAX / 2;
 
-  plan.softcap_exp2_on_fma = tuning.softcap_exp2_on_fma;
   auto choose = [&](DecodeForm form, int num_splits) {
     plan.form = form;
     plan.num_splits = num_splits;
@@ -305,7 +302,6 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device,
   }
   // sm_90a code runs on sm_90 only.
   const bool wgmma_runs = forms->prefill_wgmma && device.has_sm90a_code && device.arch == 90;
-  plan.softcap_exp2_on_fma = tuning.softcap_exp2_on_fma;
   plan.kernel = wgmma_runs && tuning.prefill_kernel != PrefillKernel::kMmaSync
                     ? PrefillKernel::kWgmma
                     : PrefillKernel::kMmaSync;

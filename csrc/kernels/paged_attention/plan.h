@@ -49,10 +49,6 @@ struct DeviceFacts {
 enum class DecodeForm : int { kAuto, kSplit, kCluster, kBlockPairs, kEightWarps, kPersistent };
 enum class PrefillKernel : int { kAuto, kWgmma, kMmaSync };
 
-// With a softcap the SFU computes a tanh and an exp2 per score: one exp2 of each pair runs on the
-// FMA pipe instead (variant.cuh; H200 measurements in lab/NOTES.md).
-constexpr int kSoftcapExp2OnFma = 1;
-
 // Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
 // ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
 // comma-separated key=value pairs ("" = automatic):
@@ -63,14 +59,11 @@ constexpr int kSoftcapExp2OnFma = 1;
 //   persistent_blocks=N              the persistent decode's grid (at most the items), for tests
 //                                    that give each block several items
 //   prefill_kernel=auto|wgmma|mma_sync  wgmma where it runs, or never
-//   softcap_exp2_on_fma=0|1|2        with a softcap, how many exp2 of each pair of scores run on
-//                                    the FMA pipe instead of the SFU (variant.cuh; default below)
 struct KernelTuning {
   DecodeForm decode_form = DecodeForm::kAuto;
   int decode_splits = 0;      // 0: the rule's
   int persistent_blocks = 0;  // 0: one per SM
   PrefillKernel prefill_kernel = PrefillKernel::kAuto;
-  int softcap_exp2_on_fma = kSoftcapExp2OnFma;
 };
 // "" on success; otherwise what is wrong (and *tuning is left unchanged).
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
@@ -92,13 +85,11 @@ struct DecodePlan {
   int num_splits = 1;
   int persistent_blocks = 0;    // kPersistent: the grid
   size_t workspace_floats = 0;  // kSplit with num_splits > 1: partial outputs and their lse
-  int softcap_exp2_on_fma = kSoftcapExp2OnFma;  // the score transform's (variant.cuh)
-  std::string error;                            // set when no form can run the call here
+  std::string error;            // set when no form can run the call here
 };
 
 struct PrefillPlan {
   PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
-  int softcap_exp2_on_fma = kSoftcapExp2OnFma;
   std::string error;
 };
 

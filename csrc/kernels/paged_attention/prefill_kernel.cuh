@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     loader.commit();  // one step per stage, empty or not, keeps the wait counts uniform
   }
 
-  const ScoreTransform transform = score_transform(p, args.scale_log2, args.softcap_exp2_on_fma);
+  const ScoreTransform transform =
+      score_transform(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;

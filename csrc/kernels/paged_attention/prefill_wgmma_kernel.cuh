@@ -139,7 +139,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     loader.commit();
   }
 
-  const ScoreTransform transform = score_transform(p, args.scale_log2, args.softcap_exp2_on_fma);
+  const ScoreTransform transform =
+      score_transform(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
   // This warpgroup's 64 rows of the Q tile: 64 rows x 128 bytes into each column block.
   const uint32_t q_rows = shared_address(q_smem) + warpgroup * 64 * 128;
 
@@ -212,10 +213,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       alpha[half] = online_softmax_row<kTileN / 8>(
           [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
-          row_sum[half], transform.exp_scale, transform.exp2_on_fma);
+          row_sum[half], transform.exp_scale, transform.fixed_max);
     }
+    if (!transform.fixed_max) {
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
+      for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
+    }
 
     // O += P V: two adjacent n8 blocks of S are the A operand of one k16 step.
     uint32_t p_frag[kTileN / 16][4];

@@ -139,7 +139,7 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
       alpha[mi][half] = online_softmax_row<kWarpTileN / 8>(
           [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; },
           state.row_max[mi][half], state.row_sum[mi][half], transform.exp_scale,
-          transform.exp2_on_fma);
+          transform.fixed_max);
     }
   }
   bool rescale = false;

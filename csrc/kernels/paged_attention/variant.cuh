@@ -155,28 +155,32 @@ __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
 // scores are multiplied first. With a softcap the scores become tanh(s * scale / softcap) and
 // softcap * log2(e) is what folds into the exponent.
 //
-// A softcap puts a tanh next to every exp2 on the SFU, the unit that computes both at an eighth
-// of the FMA pipe's rate, and the prefill then waits on it: some exp2 are computed on the FMA
-// pipe instead (exp2_on_fma of each pair of scores, the plan's softcap_exp2_on_fma;
-// fma_exp2 in device_primitives.cuh).
+// A softcap bounds the scores, so the softmax needs no running max (fixed_max): with the max held
+// at 0 the weights 2^(softcap * log2(e) * tanh) lie in [2^-c, 2^c] for c = softcap * log2(e), all
+// normal floats (and bf16s: P is bf16 for the P V multiply) while c <= kFixedMaxLimit, and a sum
+// of up to 2^40 of them stays far below float's 2^128. That saves the max, its shuffles and the
+// rescale of O per tile, which pays for the tanh (the prefill's softmax is issue-bound: a softcap
+// cost it 1.16-1.19x with the running max; lab/NOTES.md). Not with fp16 P (largest 65504), nor
+// with a larger softcap.
+constexpr float kFixedMaxLimit = 80.f;  // log2 of the largest weight: softcap <= 55.4
 struct ScoreTransform {
   float scale_log2;  // scale * log2(e) (times the kv head's k scale)
   float exp_scale;   // what online_softmax_row multiplies scores and the max by
   bool fold;         // scale_log2 folded into exp_scale
   bool softcap;      // softcap on
   float cap_in;      // scale / softcap
-  int exp2_on_fma;   // exp2 of each pair of scores on the FMA pipe (online_softmax_row)
+  bool fixed_max;    // bounded scores: the max stays 0 (online_softmax_row)
 };
+// bf16_weights: P is bf16 for the P V multiply (q's type).
 __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionParams& p,
-                                                          float scale_log2,
-                                                          int softcap_exp2_on_fma) {
+                                                          float scale_log2, bool bf16_weights) {
   ScoreTransform t;
   t.scale_log2 = scale_log2;
   t.softcap = p.softcap > 0.f;
   t.fold = !t.softcap && scale_log2 > 0.f;
   t.exp_scale = t.softcap ? p.softcap * kLog2e : (t.fold ? scale_log2 : 1.f);
   t.cap_in = t.softcap ? scale_log2 / (kLog2e * p.softcap) : 0.f;
-  t.exp2_on_fma = t.softcap ? softcap_exp2_on_fma : 0;
+  t.fixed_max = t.softcap && bf16_weights && t.exp_scale <= kFixedMaxLimit;
   return t;
 }
 
