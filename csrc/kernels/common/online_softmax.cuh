@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "device_primitives.cuh"
 
@@ -16,12 +17,14 @@ namespace astrai::kernels {
 // An unchanged max gives alpha = 1 outright: with the folded scale ptxas contracts
 // row_max * exp_scale - base into one FFMA, whose rounding residual would otherwise give
 // exp2(~1e-7) != 1 and defeat the kernels' skip of a rescale by exactly 1.
-// fixed_max (uniform): the scores are bounded (a softcap's tanh, variant.cuh) and the max stays
-// 0: no max, no rescale (alpha = 1), the weights exp2(s * exp_scale) as they are.
-template <int kBlocksN, typename Score>
+// kFixedMax: the scores are bounded (a softcap's tanh, variant.cuh) and the max stays 0: no max,
+// no rescale (alpha = 1), the weights exp2(s * exp_scale) as they are. A template argument: the
+// kernels branch once per tile (with_fixed_max), not once per row, which kept ptxas from
+// interleaving the rows' softmax work (the D = 64 prefill ran 7% slower, lab/NOTES.md).
+template <int kBlocksN, bool kFixedMax, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score score, float& row_max, float& row_sum,
-                                                    float exp_scale, bool fixed_max) {
-  if (fixed_max) {
+                                                    float exp_scale) {
+  if constexpr (kFixedMax) {
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kBlocksN; ++nt) {
@@ -60,6 +63,16 @@ __device__ __forceinline__ float online_softmax_row(Score score, float& row_max,
   }
   row_sum = row_sum * alpha + sum;
   return alpha;
+}
+
+// Calls body(std::true_type) where the transform holds the max fixed, else body(std::false_type):
+// the one branch per tile around a tile's rows of online_softmax_row<..., kFixedMax>.
+template <typename Body>
+__device__ __forceinline__ void with_fixed_max(bool fixed_max, Body&& body) {
+  if (fixed_max)
+    body(std::true_type{});
+  else
+    body(std::false_type{});
 }
 
 }  // namespace astrai::kernels

@@ -141,7 +141,8 @@ struct KVTileLoader {
   // multiples of kTileN: a tile holds whole pages or lies in one). The kernel ORs the flag over
   // the block before it writes.
   __device__ __forceinline__ void prescan_page_ids() {
-    if constexpr (is_power_of_two(kTileN)) {  // split tiles: the decode's, powers of two
+    if constexpr (Traits::kDecode) {  // split tiles: the decode's (powers of two)
+      static_assert(is_power_of_two(kTileN), "decode tiles of whole pages");
       if (src.tile_step != kTileN) {
         const int log2_page = src.log2_page_size;
         const int log2_ids = max(0, ilog2(kTileN) - log2_page);  // page ids per tile, log2

@@ -209,12 +209,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // Online softmax (online_softmax.cuh).
     float alpha[2];
+    with_fixed_max(transform.fixed_max, [&](auto fixed) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      alpha[half] = online_softmax_row<kTileN / 8>(
-          [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
-          row_sum[half], transform.exp_scale, transform.fixed_max);
-    }
+      for (int half = 0; half < 2; ++half) {
+        alpha[half] = online_softmax_row<kTileN / 8, decltype(fixed)::value>(
+            [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
+            row_sum[half], transform.exp_scale);
+      }
+    });
     if (!transform.fixed_max) {
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];

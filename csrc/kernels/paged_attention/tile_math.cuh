@@ -132,16 +132,17 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
   // Online softmax (online_softmax.cuh). O is rescaled only when some lane's alpha differs from
   // 1; skipping a multiply by exactly 1 changes nothing.
   float alpha[kMRep][2];
+  with_fixed_max(transform.fixed_max, [&](auto fixed) {
 #pragma unroll
-  for (int mi = 0; mi < kMRep; ++mi) {
+    for (int mi = 0; mi < kMRep; ++mi) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      alpha[mi][half] = online_softmax_row<kWarpTileN / 8>(
-          [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; },
-          state.row_max[mi][half], state.row_sum[mi][half], transform.exp_scale,
-          transform.fixed_max);
+      for (int half = 0; half < 2; ++half) {
+        alpha[mi][half] = online_softmax_row<kWarpTileN / 8, decltype(fixed)::value>(
+            [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; },
+            state.row_max[mi][half], state.row_sum[mi][half], transform.exp_scale);
+      }
     }
-  }
+  });
   bool rescale = false;
 #pragma unroll
   for (int mi = 0; mi < kMRep; ++mi) rescale |= alpha[mi][0] != 1.f || alpha[mi][1] != 1.f;
