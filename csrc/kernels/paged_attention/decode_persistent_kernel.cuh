@@ -70,7 +70,8 @@ struct ItemTileCursor {
   int k, t, tiles, base;
 };
 
-template <typename Traits, typename T>
+// kSoftcap: compiled for softcapped calls (score_transform, variant.cuh).
+template <typename Traits, typename T, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     paged_decode_persistent_kernel(const __grid_constant__ PagedKernelArgs args) {
   using Layout = PersistentDecodeLayout<Traits>;
@@ -265,7 +266,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   loader.commit();
 
   const ScoreTransform transform =
-      score_transform(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
+      score_transform<kSoftcap>(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
   const int warp_col0 = warp * Traits::kWarpTileN;
   T* out = static_cast<T*>(p.out);
 
@@ -366,7 +367,8 @@ LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream
   static_assert(std::is_same_v<T, KV>, "the persistent decode reads a cache of q's dtype");
   using Traits = DecodeEightWarpTraits<D>;
   constexpr int kSmemBytes = PersistentDecodeLayout<Traits>::kSmemBytes;
-  auto kernel = paged_decode_persistent_kernel<Traits, T>;
+  auto kernel = args.base.softcap > 0.f ? paged_decode_persistent_kernel<Traits, T, true>
+                                        : paged_decode_persistent_kernel<Traits, T, false>;
   const cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (error != cudaSuccess)

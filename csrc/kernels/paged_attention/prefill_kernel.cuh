@@ -25,7 +25,8 @@
 
 namespace astrai::kernels {
 
-template <typename Traits, typename T>
+// kSoftcap: compiled for softcapped calls (score_transform, variant.cuh).
+template <typename Traits, typename T, bool kSoftcap>
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_prefill_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(!Traits::kDecode && Traits::kGroups == 1, "prefill traits");
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   }
 
   const ScoreTransform transform =
-      score_transform(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
+      score_transform<kSoftcap>(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
@@ -160,7 +161,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillTraits<D>;
-  auto kernel = paged_prefill_kernel<Traits, T>;
+  auto kernel = args.base.softcap > 0.f ? paged_prefill_kernel<Traits, T, true>
+                                        : paged_prefill_kernel<Traits, T, false>;
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
   const int64_t rows = (int64_t)args.max_query_len * group;
   if (rows > INT32_MAX) return {"max_query_len * group size too large"};

@@ -171,12 +171,15 @@ struct ScoreTransform {
   float cap_in;      // scale / softcap
   bool fixed_max;    // bounded scores: the max stays 0 (online_softmax_row)
 };
-// bf16_weights: P is bf16 for the P V multiply (q's type).
+// bf16_weights: P is bf16 for the P V multiply (q's type). kSoftcap: the kernel was instantiated
+// for softcapped calls (the launchers pick it by p.softcap > 0): without it every softcap branch
+// of the tile loop is compiled out (they cost the wgmma prefill 3-5%, lab/NOTES.md).
+template <bool kSoftcap>
 __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionParams& p,
                                                           float scale_log2, bool bf16_weights) {
   ScoreTransform t;
   t.scale_log2 = scale_log2;
-  t.softcap = p.softcap > 0.f;
+  t.softcap = kSoftcap && p.softcap > 0.f;
   t.fold = !t.softcap && scale_log2 > 0.f;
   t.exp_scale = t.softcap ? p.softcap * kLog2e : (t.fold ? scale_log2 : 1.f);
   t.cap_in = t.softcap ? scale_log2 / (kLog2e * p.softcap) : 0.f;
