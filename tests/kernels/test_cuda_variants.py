@@ -176,10 +176,10 @@ def test_prefill_variants_match_reference(variant, head_dim, dtype, prefill_kern
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("head_dim", [h for h in HEAD_DIMS if h in (64, 128)])
 def test_softcap_matches_reference_with_and_without_a_fixed_max(softcap, dtype, decode, head_dim):
-    """A softcap up to 55.4 with bf16 runs the softmax with its max fixed at 0 (variant.cuh); a
-    larger one, or fp16, keeps the running max. Both give the reference's answer on wide scores
-    (q times 8 or more: scores of +-40 and more, weights from 2^-80 to 2^80 with the fixed
-    max), with a window that masks keys, and the lse."""
+    """A prefill with a softcap up to 55.4 and bf16 runs the softmax with its max fixed at 0
+    (variant.cuh); a decode, a larger softcap or fp16 keep the running max. Both give the
+    reference's answer on wide scores (q times 8 or more: scores of +-40 and more, weights from
+    2^-80 to 2^80 with the fixed max), with a window that masks keys, and the lse."""
     g = torch.Generator(device="cuda").manual_seed(1100 + head_dim + int(softcap))
     lens, q_lens = ([40, 700, 2100], [1, 1, 1]) if decode else ([300, 900, 2100], [300, 64, 129])
     batch = PagedBatch(lens, q_lens, 8, 2, head_dim, 16, dtype, generator=g)

@@ -32,8 +32,8 @@
 
 namespace astrai::kernels {
 
-// kSoftcap: compiled for softcapped calls (score_transform, variant.cuh).
-template <typename Traits, typename T, typename KV, bool kSoftcap>
+// kSoftcap: the softcap it is compiled for (variant.cuh).
+template <typename Traits, typename T, typename KV, Softcap kSoftcap>
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_decode_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(Traits::kDecode && sizeof(KV) == Traits::kKVBytes, "decode traits of this cache");
@@ -171,8 +171,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     k_scale = p.k_scale[kv_head];
     v_scale = p.v_scale[kv_head];
   }
-  const ScoreTransform transform =
-      score_transform<kSoftcap>(p, args.scale_log2 * k_scale, std::is_same_v<T, __nv_bfloat16>);
+  const ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale);
   const Fp8Conversion fp8 = fp8_conversion<T>(p.kv_dtype == ScalarType::kFloat8E5M2);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
@@ -328,8 +327,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 template <typename Traits, typename T, typename KV>
 LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t stream) {
   constexpr bool kPairs = Traits::kGroups > 1;
-  auto kernel = args.base.softcap > 0.f ? paged_decode_kernel<Traits, T, KV, true>
-                                        : paged_decode_kernel<Traits, T, KV, false>;
+  auto kernel = args.base.softcap > 0.f ? paged_decode_kernel<Traits, T, KV, Softcap::kRunningMax>
+                                        : paged_decode_kernel<Traits, T, KV, Softcap::kOff>;
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
   dim3 grid;
   const LaunchStatus prepared =

@@ -70,8 +70,8 @@ struct ItemTileCursor {
   int k, t, tiles, base;
 };
 
-// kSoftcap: compiled for softcapped calls (score_transform, variant.cuh).
-template <typename Traits, typename T, bool kSoftcap>
+// kSoftcap: the softcap it is compiled for (variant.cuh).
+template <typename Traits, typename T, Softcap kSoftcap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     paged_decode_persistent_kernel(const __grid_constant__ PagedKernelArgs args) {
   using Layout = PersistentDecodeLayout<Traits>;
@@ -265,8 +265,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   loader.commit();
 
-  const ScoreTransform transform =
-      score_transform<kSoftcap>(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
+  const ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2);
   const int warp_col0 = warp * Traits::kWarpTileN;
   T* out = static_cast<T*>(p.out);
 
@@ -367,8 +366,9 @@ LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream
   static_assert(std::is_same_v<T, KV>, "the persistent decode reads a cache of q's dtype");
   using Traits = DecodeEightWarpTraits<D>;
   constexpr int kSmemBytes = PersistentDecodeLayout<Traits>::kSmemBytes;
-  auto kernel = args.base.softcap > 0.f ? paged_decode_persistent_kernel<Traits, T, true>
-                                        : paged_decode_persistent_kernel<Traits, T, false>;
+  auto kernel = args.base.softcap > 0.f
+                    ? paged_decode_persistent_kernel<Traits, T, Softcap::kRunningMax>
+                    : paged_decode_persistent_kernel<Traits, T, Softcap::kOff>;
   const cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (error != cudaSuccess)

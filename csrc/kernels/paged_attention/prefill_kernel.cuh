@@ -25,8 +25,8 @@
 
 namespace astrai::kernels {
 
-// kSoftcap: compiled for softcapped calls (score_transform, variant.cuh).
-template <typename Traits, typename T, bool kSoftcap>
+// kSoftcap: the softcap it is compiled for (variant.cuh).
+template <typename Traits, typename T, Softcap kSoftcap>
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_prefill_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(!Traits::kDecode && Traits::kGroups == 1, "prefill traits");
@@ -101,8 +101,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     loader.commit();  // one step per stage, empty or not, keeps the wait counts uniform
   }
 
-  const ScoreTransform transform =
-      score_transform<kSoftcap>(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
+  const ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
@@ -161,8 +160,12 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillTraits<D>;
-  auto kernel = args.base.softcap > 0.f ? paged_prefill_kernel<Traits, T, true>
-                                        : paged_prefill_kernel<Traits, T, false>;
+  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
+                                         /*fixed_max_allowed=*/true);
+  auto kernel = softcap == Softcap::kOff ? paged_prefill_kernel<Traits, T, Softcap::kOff>
+                : softcap == Softcap::kRunningMax
+                    ? paged_prefill_kernel<Traits, T, Softcap::kRunningMax>
+                    : paged_prefill_kernel<Traits, T, Softcap::kFixedMax>;
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
   const int64_t rows = (int64_t)args.max_query_len * group;
   if (rows > INT32_MAX) return {"max_query_len * group size too large"};

@@ -68,8 +68,8 @@ struct PrefillWgmmaTraits {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
-// kSoftcap: compiled for softcapped calls (score_transform, variant.cuh).
-template <typename Traits, typename T, bool kSoftcap>
+// kSoftcap: the softcap it is compiled for (variant.cuh).
+template <typename Traits, typename T, Softcap kSoftcap>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     paged_prefill_wgmma_kernel(const __grid_constant__ PagedKernelArgs args) {
 #if defined(ASTRAI_HAS_WGMMA)
@@ -140,8 +140,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     loader.commit();
   }
 
-  const ScoreTransform transform =
-      score_transform<kSoftcap>(p, args.scale_log2, std::is_same_v<T, __nv_bfloat16>);
+  const ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2);
   // This warpgroup's 64 rows of the Q tile: 64 rows x 128 bytes into each column block.
   const uint32_t q_rows = shared_address(q_smem) + warpgroup * 64 * 128;
 
@@ -289,8 +288,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillWgmmaTraits<D>;
-  auto kernel = args.base.softcap > 0.f ? paged_prefill_wgmma_kernel<Traits, T, true>
-                                        : paged_prefill_wgmma_kernel<Traits, T, false>;
+  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
+                                         /*fixed_max_allowed=*/true);
+  auto kernel = softcap == Softcap::kOff ? paged_prefill_wgmma_kernel<Traits, T, Softcap::kOff>
+                : softcap == Softcap::kRunningMax
+                    ? paged_prefill_wgmma_kernel<Traits, T, Softcap::kRunningMax>
+                    : paged_prefill_wgmma_kernel<Traits, T, Softcap::kFixedMax>;
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
   const int64_t rows = (int64_t)args.max_query_len * group;
   if (rows > INT32_MAX) return {"max_query_len * group size too large"};

@@ -161,7 +161,7 @@ __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
 // of up to 2^40 of them stays far below float's 2^128. That saves the max, its shuffles and the
 // rescale of O per tile, which pays for the tanh (the prefill's softmax is issue-bound: a softcap
 // cost it 1.16-1.19x with the running max; lab/NOTES.md). Not with fp16 P (largest 65504), nor
-// with a larger softcap.
+// with a larger softcap (softcap_kernel below).
 constexpr float kFixedMaxLimit = 80.f;  // log2 of the largest weight: softcap <= 55.4
 struct ScoreTransform {
   float scale_log2;  // scale * log2(e) (times the kv head's k scale)
@@ -171,19 +171,30 @@ struct ScoreTransform {
   float cap_in;      // scale / softcap
   bool fixed_max;    // bounded scores: the max stays 0 (online_softmax_row)
 };
-// bf16_weights: P is bf16 for the P V multiply (q's type). kSoftcap: the kernel was instantiated
-// for softcapped calls (the launchers pick it by p.softcap > 0): without it every softcap branch
-// of the tile loop is compiled out (they cost the wgmma prefill 3-5%, lab/NOTES.md).
-template <bool kSoftcap>
+// What a kernel is compiled for (a template argument, so that no softcap or fixed-max branch
+// sits in the tile loop of a call that does not need it: such branches cost the wgmma prefill
+// 3-8%, lab/NOTES.md): no softcap, a softcap with the running max, or with the max fixed at 0.
+// The launchers pick it from the call (softcap_kernel).
+enum class Softcap : int { kOff, kRunningMax, kFixedMax };
+// fixed_max_allowed: the kernel family has a kFixedMax instantiation (the prefills; a decode
+// reads memory, and keeps the running max). bf16_weights: P is bf16 for the P V multiply.
+__host__ __device__ inline Softcap softcap_kernel(float softcap, bool bf16_weights,
+                                                  bool fixed_max_allowed) {
+  if (!(softcap > 0.f)) return Softcap::kOff;
+  const bool bounded = bf16_weights && softcap * kLog2e <= kFixedMaxLimit;
+  return fixed_max_allowed && bounded ? Softcap::kFixedMax : Softcap::kRunningMax;
+}
+
+template <Softcap kSoftcap>
 __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionParams& p,
-                                                          float scale_log2, bool bf16_weights) {
+                                                          float scale_log2) {
   ScoreTransform t;
   t.scale_log2 = scale_log2;
-  t.softcap = kSoftcap && p.softcap > 0.f;
+  t.softcap = kSoftcap != Softcap::kOff;
   t.fold = !t.softcap && scale_log2 > 0.f;
   t.exp_scale = t.softcap ? p.softcap * kLog2e : (t.fold ? scale_log2 : 1.f);
   t.cap_in = t.softcap ? scale_log2 / (kLog2e * p.softcap) : 0.f;
-  t.fixed_max = t.softcap && bf16_weights && t.exp_scale <= kFixedMaxLimit;
+  t.fixed_max = kSoftcap == Softcap::kFixedMax;
   return t;
 }
 
