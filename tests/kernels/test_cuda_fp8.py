@@ -66,7 +66,16 @@ class Fp8Batch:
         return cache[pages, pos % self.page_size].double() * scale.double().view(1, -1, 1)
 
 
-def run(batch, decode, scales=True, window_left=-1, softcap=0.0, sinks=None, return_lse=False):
+def run(
+    batch,
+    decode,
+    scales=True,
+    window_left=-1,
+    softcap=0.0,
+    sinks=None,
+    return_lse=False,
+    scale=None,
+):
     q = batch.q
     poison_next_allocation(q.shape, q.dtype)
     return torch.ops.astr.cuda_paged_attention(
@@ -80,7 +89,7 @@ def run(batch, decode, scales=True, window_left=-1, softcap=0.0, sinks=None, ret
         decode,
         None,
         True,
-        1.0 / math.sqrt(q.shape[-1]),
+        scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         window_left,
         softcap,
         sinks,
@@ -120,6 +129,27 @@ def test_fp8_decode_matches_reference(fp8, q_dtype, head_dim, page_size, group):
     ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(head_dim))
     assert_matches(out, ref)
     control = unscaled_reference(batch)
+    assert (out.double() - control).norm() / control.norm() > 0.05
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("magnitude", [3e4, 1e-6])
+def test_fp8_decode_of_a_query_outside_f16s_range_matches_reference(fp8, magnitude):
+    """An FP8 decode multiplies in f16 (tile_math.cuh); a bf16 query is brought into f16's range
+    by a power of two first (query_tile_to_f16): one of magnitude 3e4 (largest values past f16's
+    65504) or 1e-6 (below f16's normals) gives the reference's answer, its scale set so that the
+    scores stay of order one."""
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    inner = PagedBatch([1, 300, 2000, 777], [1] * 4, 8, 2, 128, 16, torch.bfloat16, generator=g)
+    batch = Fp8Batch(inner, fp8, g)
+    batch.q = (batch.q.float() * magnitude).to(torch.bfloat16)
+    if magnitude > 1:
+        assert batch.q.float().abs().max() > 65504  # beyond f16 without the power of two
+    scale = 1.0 / (math.sqrt(128) * magnitude)
+    out, _ = run(batch, True, scale=scale)
+    ref, _ = variant_reference(batch, batch.q, scale)
+    assert_matches(out, ref)
+    control = unscaled_reference(batch)  # the bytes without their scales, at the default scale
     assert (out.double() - control).norm() / control.norm() > 0.05
 
 

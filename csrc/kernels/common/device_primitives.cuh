@@ -210,60 +210,46 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
   return row * (kRowElements + kChunkElements) + chunk * kChunkElements;
 }
 
-// FP8 (e4m3 or e5m2) pairs to 16-bit pairs in registers, for the KV-cache reads: the two bytes
-// are moved to the top byte of each 16-bit half (prmt), their exponent and mantissa bits shifted
-// into the 16-bit format's fields (the sign stays), and one multiply by 2^(bias difference)
-// corrects the exponent. Exact for every finite value, subnormals included (the multiply sees a
-// subnormal 16-bit value and scales it into range); a NaN byte reads as a finite value. The
-// conversion units would take twice the issue slots of this integer path at the decode's rate.
-//   16-bit   fp8    shift  magnitude mask  multiplier
-//   bf16     e4m3     4    0x07F0          2^120
-//   bf16     e5m2     3    0x0FE0          2^112
-//   fp16     e4m3     1    0x3F80          2^8
-//   fp16     e5m2     0    0x7F00          1    (e5m2 is the top byte of fp16)
-struct Fp8Conversion {
-  uint32_t shift;
-  uint32_t mask;        // both halves
-  uint32_t multiplier;  // two 16-bit values
-};
-
-template <typename T>
-__host__ __device__ constexpr Fp8Conversion fp8_conversion(bool e5m2);
-template <>
-__host__ __device__ constexpr Fp8Conversion fp8_conversion<__nv_bfloat16>(bool e5m2) {
-  return e5m2 ? Fp8Conversion{3, 0x0FE00FE0u, 0x77807780u}
-              : Fp8Conversion{4, 0x07F007F0u, 0x7B807B80u};
-}
-template <>
-__host__ __device__ constexpr Fp8Conversion fp8_conversion<__half>(bool e5m2) {
-  return e5m2 ? Fp8Conversion{0, 0x7F007F00u, 0x3C003C00u}
-              : Fp8Conversion{1, 0x3F803F80u, 0x5C005C00u};
-}
-
-// Bytes a and b of `bytes` (selector 0xB4A4 for byte indices a, b) as a 16-bit pair, a low.
-template <typename T, uint32_t kSelector>
-__device__ __forceinline__ uint32_t fp8_pair_to_16bit(uint32_t bytes, const Fp8Conversion& c) {
-  uint32_t top;  // [0, a, 0, b]: each byte in the top byte of its half
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(top) : "r"(bytes), "r"(0u), "n"(kSelector));
-  const uint32_t bits = (top & 0x80008000u) | ((top >> c.shift) & c.mask);
-  // bits * multiplier + (-0): fma, which sm_80 has for bf16x2 (mul.bf16x2 needs sm_90).
+// FP8 (e4m3 or e5m2) bytes to f16 pairs in registers, for the KV-cache reads; exact, as every
+// e4m3 and e5m2 value is an f16 (a NaN byte stays NaN): e4m3 by the conversion unit
+// (cvt.rn.f16x2.e4m3x2), e5m2 by moving each byte to the top byte of its half (e5m2 is f16's top
+// byte). On the H200 the conversion unit turns 36 e4m3 pairs per clock per SM into f16, an
+// integer path into bf16 (prmt, shift, lop3, fma) 13 (lab/fp8_convert_rate.cu): so FP8 tiles
+// are multiplied in f16 whatever q's type (tile_math.cuh).
+// Bytes 0, 1 (kHigh false) or 2, 3 (kHigh true) of `bytes`, the lower byte in the low half.
+template <bool kE5M2, bool kHigh>
+__device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t bytes) {
   uint32_t out;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
+  if constexpr (kE5M2) {
+    asm("prmt.b32 %0, %1, %2, %3;\n"
         : "=r"(out)
-        : "r"(bits), "r"(c.multiplier), "r"(0x80008000u));
+        : "r"(bytes), "r"(0u), "n"(kHigh ? 0x3424 : 0x1404));
+  } else if constexpr (kHigh) {
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+        : "=r"(out)
+        : "r"(bytes));
   } else {
-    asm("fma.rn.f16x2 %0, %1, %2, %3;\n"
+    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
         : "=r"(out)
-        : "r"(bits), "r"(c.multiplier), "r"(0x80008000u));
+        : "r"(bytes));
   }
   return out;
 }
-// prmt selectors: destination bytes 0..3 from source bytes (4 = the zero operand).
-constexpr uint32_t kFp8Bytes01 = 0x1404;  // bytes 0 and 1 (consecutive elements)
-constexpr uint32_t kFp8Bytes23 = 0x3424;
-constexpr uint32_t kFp8Bytes02 = 0x2404;  // bytes 0 and 2 (one element of two rows)
-constexpr uint32_t kFp8Bytes13 = 0x3414;
+// Bytes 0 and 2 (`even`) and 1 and 3 (`odd`) of `bytes` as f16 pairs: one element of two rows
+// each (a transposed ldmatrix of FP8 rows read as 16-bit pairs).
+template <bool kE5M2>
+__device__ __forceinline__ void fp8_strided_pairs_to_f16x2(uint32_t bytes, uint32_t& even,
+                                                           uint32_t& odd) {
+  if constexpr (kE5M2) {
+    asm("prmt.b32 %0, %1, %2, 0x2404;\n" : "=r"(even) : "r"(bytes), "r"(0u));
+    asm("prmt.b32 %0, %1, %2, 0x3414;\n" : "=r"(odd) : "r"(bytes), "r"(0u));
+  } else {
+    const uint32_t low = fp8_pair_to_f16x2<false, false>(bytes);  // elements 0, 1
+    const uint32_t high = fp8_pair_to_f16x2<false, true>(bytes);  // elements 2, 3
+    asm("prmt.b32 %0, %1, %2, 0x5410;\n" : "=r"(even) : "r"(low), "r"(high));
+    asm("prmt.b32 %0, %1, %2, 0x7632;\n" : "=r"(odd) : "r"(low), "r"(high));
+  }
+}
 
 // Hopper's 128-byte swizzle (the layout wgmma reads, wgmma_primitives.cuh): a tile of kRows rows
 // x D 16-bit elements stored as D / 64 column blocks, each kRows rows of exactly 128 bytes, with

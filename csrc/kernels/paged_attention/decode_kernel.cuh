@@ -11,10 +11,12 @@
 // workspace for decode_merge_kernel.cuh.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/dependent_launch.cuh"
 #include "../common/device_primitives.cuh"
@@ -32,8 +34,9 @@
 
 namespace astrai::kernels {
 
-// kSoftcap: the softcap it is compiled for (variant.cuh).
-template <typename Traits, typename T, typename KV, Softcap kSoftcap>
+// kSoftcap: the softcap it is compiled for (variant.cuh); kE5M2: an FP8 cache holds e5m2 (else
+// e4m3).
+template <typename Traits, typename T, typename KV, Softcap kSoftcap, bool kE5M2>
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_decode_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(Traits::kDecode && sizeof(KV) == Traits::kKVBytes, "decode traits of this cache");
@@ -115,8 +118,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
   auto q_offset = [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); };
   auto load_q_fragment = [&](int ks, uint32_t (&a)[4]) {
-    if constexpr (Traits::kFp8) {
-      load_fp8_query_fragment(q_smem, 0, lane, ks, q_offset, a);
+    if constexpr (Traits::kFp8) {  // f16 by then (query_tile_to_f16)
+      load_fp8_query_fragment(reinterpret_cast<const __half*>(q_smem), 0, lane, ks, q_offset, a);
     } else {
       const int r = (lane % 8) + ((lane / 8) % 2) * 8;
       const int ch = ks * 2 + lane / 16;
@@ -171,8 +174,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     k_scale = p.k_scale[kv_head];
     v_scale = p.v_scale[kv_head];
   }
-  const ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale);
-  const Fp8Conversion fp8 = fp8_conversion<T>(p.kv_dtype == ScalarType::kFloat8E5M2);
+  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
@@ -184,6 +186,16 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     if constexpr (!Traits::kPageIdRing) loader.lookup(next + 1);
     loader.wait();
 
+    // FP8 tiles are multiplied in f16 (tile_math.cuh): a bf16 query becomes f16 once it has
+    // landed, scaled into f16's range, and the scale's inverse joins the score scale.
+    if constexpr (Traits::kFp8 && !std::is_same_v<T, __half>) {
+      if (tile == 0) {
+        const float restore = query_tile_to_f16<kBlockRows, kChunks, kThreads>(
+            q_smem, tid, [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); },
+            sync_group);
+        transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale * restore);
+      }
+    }
     if constexpr (Traits::kQInRegisters) {
       if (tile == 0) {
 #pragma unroll
@@ -196,7 +208,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     const KV* v_tile = v_smem + stage * Traits::kTileElements;
     const int pos0 = kv_begin + tile * tile_step;
 
-    attend_kv_tile<Traits, T, KV>(
+    attend_kv_tile<Traits, T, KV, kE5M2>(
         k_tile, v_tile, warp_col0, lane,
         [&](int, int ks, uint32_t (&a)[4]) {
           if constexpr (Traits::kQInRegisters) {
@@ -210,7 +222,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
         [&](auto& s_acc) {
           mask_invisible_scores<Traits>(s_acc, p, seq, range, lane, row0, pos0 + warp_col0);
         },
-        transform, fp8, state);
+        transform, state);
     sync_group();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();
@@ -327,8 +339,16 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 template <typename Traits, typename T, typename KV>
 LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t stream) {
   constexpr bool kPairs = Traits::kGroups > 1;
-  auto kernel = args.base.softcap > 0.f ? paged_decode_kernel<Traits, T, KV, Softcap::kRunningMax>
-                                        : paged_decode_kernel<Traits, T, KV, Softcap::kOff>;
+  // The instantiation for the call's softcap and, with an FP8 cache, its format.
+  auto pick = [&](auto e5m2) {
+    constexpr bool kE5M2 = decltype(e5m2)::value;
+    return args.base.softcap > 0.f ? paged_decode_kernel<Traits, T, KV, Softcap::kRunningMax, kE5M2>
+                                   : paged_decode_kernel<Traits, T, KV, Softcap::kOff, kE5M2>;
+  };
+  auto kernel = pick(std::false_type{});
+  if constexpr (Traits::kFp8) {
+    if (args.base.kv_dtype == ScalarType::kFloat8E5M2) kernel = pick(std::true_type{});
+  }
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
   dim3 grid;
   const LaunchStatus prepared =

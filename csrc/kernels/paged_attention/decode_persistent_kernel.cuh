@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         [&](auto& s_acc) {
           mask_invisible_scores<Traits>(s_acc, p, seq, range, lane, row0, pos0 + warp_col0);
         },
-        transform, Fp8Conversion{}, state);
+        transform, state);
 
     if (consume.t == consume.tiles - 1) {
       // ---- epilogue of item k: merge the warps' states, write the rows ---------------------

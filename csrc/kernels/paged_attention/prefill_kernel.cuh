@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
         [&](auto& s_acc) {
           mask_invisible_scores<Traits>(s_acc, p, seq, range, lane, row0 + warp_row0, pos0);
         },
-        transform, Fp8Conversion{}, state);
+        transform, state);
     __syncthreads();  // the next iteration's copy overwrites this stage
   }
   cp_async_wait<0>();

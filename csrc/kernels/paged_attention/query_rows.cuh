@@ -2,6 +2,7 @@
 // into shared memory, and the grid every row-tiled launch uses.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -36,6 +37,54 @@ __device__ __forceinline__ void load_query_rows(const PagedAttentionParams& p, T
     }
     cp_async_16(shared_address(q_smem + offset(r, ch)), src, valid);
   }
+}
+
+// A bf16 query tile of kRows rows (16-byte chunk `chunk` of row r at offset(r, chunk)) becomes
+// f16 in place, for the FP8 decode's f16 products (tile_math.cuh): each value times 2^-e, e chosen
+// so that the tile's largest magnitude lands in [2^14, 2^15) (f16's largest is 65504). f16 has
+// bf16's 8 significant bits and 3 more, so every value within 2^28 of the largest stays exact;
+// smaller ones, whose products weigh under 2^-28 of the largest's, become subnormals or 0.
+// Returns 2^e, for the caller to fold into the score scale. Every warp of the group reads
+// the whole tile for its maximum (no exchange between warps); sync() is the group's barrier,
+// called twice.
+template <int kRows, int kChunks, int kThreads, typename Offset, typename Sync>
+__device__ __forceinline__ float query_tile_to_f16(void* q_smem, int tid, Offset offset,
+                                                   Sync&& sync) {
+  auto chunk_at = [&](int c) -> uint4& {
+    return *reinterpret_cast<uint4*>(static_cast<uint16_t*>(q_smem) +
+                                     offset(c / kChunks, c % kChunks));
+  };
+  float largest = 0.f;
+  for (int c = tid % 32; c < kRows * kChunks; c += 32) {
+    const uint4 v = chunk_at(c);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      largest = fmaxf(largest, fabsf(__uint_as_float(words[i] << 16)));
+      largest = fmaxf(largest, fabsf(__uint_as_float(words[i] & 0xffff0000u)));
+    }
+  }
+#pragma unroll
+  for (int lane_mask = 16; lane_mask > 0; lane_mask /= 2)
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, lane_mask));
+  const int exponent = static_cast<int>((__float_as_uint(largest) >> 23) & 0xff) - 127;
+  // A zero tile (exponent -127) keeps 2^100; NaN and inf (128) stay NaN and inf.
+  const int e = min(max(exponent - 14, -100), 100);
+  const float down = exp2f(static_cast<float>(-e));
+  sync();  // every warp has read the bf16 values
+  for (int c = tid; c < kRows * kChunks; c += kThreads) {
+    uint4& chunk = chunk_at(c);
+    uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 h = __floats2half2_rn(__uint_as_float(words[i] << 16) * down,
+                                          __uint_as_float(words[i] & 0xffff0000u) * down);
+      words[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    chunk = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+  sync();  // the f16 tile is visible to every warp
+  return exp2f(static_cast<float>(e));
 }
 
 // Host: lets `kernel` use `smem_bytes` of dynamic shared memory and sets the grid every paged

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/device_primitives.cuh"
 #include "../common/online_softmax.cuh"
@@ -47,27 +48,29 @@ struct WarpSoftmaxState {
 // (asked after S, which keeps its operands out of registers during the multiplies). The scores
 // are transformed (scale, softcap: variant.cuh's ScoreTransform) before the mask.
 //
-// FP8 tiles (KV a byte, Traits::kFp8; decode): K and V are dequantized in registers
-// (fp8_pair_to_16bit with `fp8`). An ldmatrix of FP8 rows read as 16-bit pairs gives a thread 4
-// consecutive bytes of a K row, d = 4t .. 4t + 3 of a 16-byte chunk: they are the k16 step's B
-// fragment if the step's k index 2t, 2t + 1 stands for d = 4t, 4t + 1 and 2t + 8, 2t + 9 for
-// 4t + 2, 4t + 3; the query fragments (q_fragment) follow the same order (load_fp8_query_fragment).
-// For V the transposed ldmatrix gives bytes of two rows at d = 2g, 2g + 1: the even d of a chunk
-// make one n8 block of the output and the odd ones another, so O holds the chunk's columns in the
-// order fp8_output_column says (merge_warp_states stores them by it).
-template <typename Traits, typename T, typename KV, typename QFragment, typename NeedsMask,
-          typename MaskScores>
+// FP8 tiles (KV a byte, Traits::kFp8; decode; kE5M2: the bytes are e5m2, else e4m3): K and V
+// are converted to f16 in registers (fp8_pair_to_f16x2) and both products run in f16, whatever
+// q's type: the query tile is f16 by then (query_tile_to_f16) and P is packed as f16 (it lies in
+// [0, 1]: the decode keeps the running max). An ldmatrix of FP8 rows read as 16-bit pairs gives a
+// thread 4 consecutive bytes of a K row, d = 4t .. 4t + 3 of a 16-byte chunk: they are the k16
+// step's B fragment if the step's k index 2t, 2t + 1 stands for d = 4t, 4t + 1 and 2t + 8, 2t + 9
+// for 4t + 2, 4t + 3; the query fragments (q_fragment) follow the same order
+// (load_fp8_query_fragment). For V the transposed ldmatrix gives bytes of two rows at d = 2g, 2g +
+// 1: the even d of a chunk make one n8 block of the output and the odd ones another, so O holds the
+// chunk's columns in the order fp8_output_column says (merge_warp_states stores them by it).
+template <typename Traits, typename T, typename KV, bool kE5M2 = false, typename QFragment,
+          typename NeedsMask, typename MaskScores>
 __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_tile, int warp_col0,
                                                int lane, QFragment&& q_fragment,
                                                NeedsMask&& needs_mask, MaskScores&& mask_scores,
                                                const ScoreTransform& transform,
-                                               const Fp8Conversion& fp8,
                                                WarpSoftmaxState<Traits>& state) {
   constexpr int D = Traits::kHeadDim;
   constexpr int kMRep = Traits::kRowBlocksPerWarp;
   constexpr int kWarpTileN = Traits::kWarpTileN;
   constexpr bool kSwizzle = Traits::kKVSwizzle;
   constexpr int kChunkElements = Traits::kKVChunkElements;
+  using P = std::conditional_t<Traits::kFp8, __half, T>;  // P's type in the P V multiply
 
   float s_acc[kMRep][kWarpTileN / 8][4];
 #pragma unroll
@@ -93,14 +96,15 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
         const int row = warp_col0 + nj * 16 + (matrix % 2) * 8 + (lane % 8);
         const int ch = 2 * kp + matrix / 2;
         ldmatrix_x4(shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
-        mma_m16n8k16<T>(s_acc[0][2 * nj], a_even, fp8_pair_to_16bit<T, kFp8Bytes01>(r[0], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[0], fp8));
-        mma_m16n8k16<T>(s_acc[0][2 * nj + 1], a_even, fp8_pair_to_16bit<T, kFp8Bytes01>(r[1], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[1], fp8));
-        mma_m16n8k16<T>(s_acc[0][2 * nj], a_odd, fp8_pair_to_16bit<T, kFp8Bytes01>(r[2], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[2], fp8));
-        mma_m16n8k16<T>(s_acc[0][2 * nj + 1], a_odd, fp8_pair_to_16bit<T, kFp8Bytes01>(r[3], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes23>(r[3], fp8));
+        // r[i] holds 4 bytes of a row: elements 0, 1 are k 2t, 2t + 1 and 2, 3 are 2t + 8, 2t + 9.
+        mma_m16n8k16<__half>(s_acc[0][2 * nj], a_even, fp8_pair_to_f16x2<kE5M2, false>(r[0]),
+                             fp8_pair_to_f16x2<kE5M2, true>(r[0]));
+        mma_m16n8k16<__half>(s_acc[0][2 * nj + 1], a_even, fp8_pair_to_f16x2<kE5M2, false>(r[1]),
+                             fp8_pair_to_f16x2<kE5M2, true>(r[1]));
+        mma_m16n8k16<__half>(s_acc[0][2 * nj], a_odd, fp8_pair_to_f16x2<kE5M2, false>(r[2]),
+                             fp8_pair_to_f16x2<kE5M2, true>(r[2]));
+        mma_m16n8k16<__half>(s_acc[0][2 * nj + 1], a_odd, fp8_pair_to_f16x2<kE5M2, false>(r[3]),
+                             fp8_pair_to_f16x2<kE5M2, true>(r[3]));
       }
     }
   } else {
@@ -161,10 +165,10 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
     uint32_t a[kMRep][4];
 #pragma unroll
     for (int mi = 0; mi < kMRep; ++mi) {
-      a[mi][0] = pack_pair<T>(s_acc[mi][2 * kk][0], s_acc[mi][2 * kk][1]);
-      a[mi][1] = pack_pair<T>(s_acc[mi][2 * kk][2], s_acc[mi][2 * kk][3]);
-      a[mi][2] = pack_pair<T>(s_acc[mi][2 * kk + 1][0], s_acc[mi][2 * kk + 1][1]);
-      a[mi][3] = pack_pair<T>(s_acc[mi][2 * kk + 1][2], s_acc[mi][2 * kk + 1][3]);
+      a[mi][0] = pack_pair<P>(s_acc[mi][2 * kk][0], s_acc[mi][2 * kk][1]);
+      a[mi][1] = pack_pair<P>(s_acc[mi][2 * kk][2], s_acc[mi][2 * kk][3]);
+      a[mi][2] = pack_pair<P>(s_acc[mi][2 * kk + 1][0], s_acc[mi][2 * kk + 1][1]);
+      a[mi][3] = pack_pair<P>(s_acc[mi][2 * kk + 1][2], s_acc[mi][2 * kk + 1][3]);
     }
     if constexpr (Traits::kFp8) {
       // Transposed matrices: m = 0 rows 0-7 and m = 1 rows 8-15 of the k16 step at chunk 2 dp,
@@ -178,14 +182,13 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
         const int ch = 2 * dp + matrix / 2;
         ldmatrix_x4_trans(
             shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
-        mma_m16n8k16<T>(state.o[0][4 * dp], a[0], fp8_pair_to_16bit<T, kFp8Bytes02>(r[0], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes02>(r[1], fp8));
-        mma_m16n8k16<T>(state.o[0][4 * dp + 1], a[0], fp8_pair_to_16bit<T, kFp8Bytes13>(r[0], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[1], fp8));
-        mma_m16n8k16<T>(state.o[0][4 * dp + 2], a[0], fp8_pair_to_16bit<T, kFp8Bytes02>(r[2], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes02>(r[3], fp8));
-        mma_m16n8k16<T>(state.o[0][4 * dp + 3], a[0], fp8_pair_to_16bit<T, kFp8Bytes13>(r[2], fp8),
-                        fp8_pair_to_16bit<T, kFp8Bytes13>(r[3], fp8));
+        uint32_t even[4], odd[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) fp8_strided_pairs_to_f16x2<kE5M2>(r[i], even[i], odd[i]);
+        mma_m16n8k16<__half>(state.o[0][4 * dp], a[0], even[0], even[1]);
+        mma_m16n8k16<__half>(state.o[0][4 * dp + 1], a[0], odd[0], odd[1]);
+        mma_m16n8k16<__half>(state.o[0][4 * dp + 2], a[0], even[2], even[3]);
+        mma_m16n8k16<__half>(state.o[0][4 * dp + 3], a[0], odd[2], odd[3]);
       }
     } else {
 #pragma unroll
