@@ -15,7 +15,6 @@
 // written as NaN, which a finished state carries as l = NaN through every merge (finish_row).
 #pragma once
 
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -199,30 +198,19 @@ __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionPa
   return t;
 }
 
-// tanh of two scores on the SFU in one instruction (tanh.approx.f16x2): the softcapped prefill
-// is bound by the SFU's queue (ncu: its SFU pipe 37% busy against 23% without the softcap, and
-// warps stalled on the MIO queue, which feeds the SFU, 17% of the time against 7%;
-// lab/NOTES.md), and a pair per instruction halves what the tanh adds to it. Arguments and
-// results are f16 (11 significant bits, against bf16's 8 in P); the variant tests hold the
-// softcap to the tolerance they held tanh.approx.f32 to.
-__device__ __forceinline__ float2 fast_tanh_pair(float a, float b) {
-  const __half2 x = __floats2half2_rn(a, b);
-  uint32_t y;
-  asm("tanh.approx.f16x2 %0, %1;\n" : "=r"(y) : "r"(*reinterpret_cast<const uint32_t*>(&x)));
-  return __half22float2(*reinterpret_cast<const __half2*>(&y));
+// tanh on the SFU (tanh.approx: max relative error 2^-11, well under bf16's rounding).
+__device__ __forceinline__ float fast_tanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Applies the transform to a tile of scores before masking; score(i) is a reference to score i.
 template <int kCount, typename Score>
 __device__ __forceinline__ void transform_scores(const ScoreTransform& t, Score&& score) {
-  static_assert(kCount % 2 == 0, "scores in pairs");
   if (t.softcap) {
 #pragma unroll
-    for (int i = 0; i < kCount; i += 2) {
-      const float2 capped = fast_tanh_pair(score(i) * t.cap_in, score(i + 1) * t.cap_in);
-      score(i) = capped.x;
-      score(i + 1) = capped.y;
-    }
+    for (int i = 0; i < kCount; ++i) score(i) = fast_tanh(score(i) * t.cap_in);
   } else if (!t.fold) {
 #pragma unroll
     for (int i = 0; i < kCount; ++i) score(i) *= t.scale_log2;
