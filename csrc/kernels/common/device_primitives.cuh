@@ -224,14 +224,30 @@ __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t bytes) {
     asm("prmt.b32 %0, %1, %2, %3;\n"
         : "=r"(out)
         : "r"(bytes), "r"(0u), "n"(kHigh ? 0x3424 : 0x1404));
-  } else if constexpr (kHigh) {
-    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
-        : "=r"(out)
-        : "r"(bytes));
   } else {
-    asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+    // No FP8 conversion unit before sm_89: each byte to the top of its half, its exponent and
+    // mantissa shifted into f16's fields (the sign stays), then times 2^8 for the exponents'
+    // bias difference (exact, subnormals included).
+    uint32_t top;
+    asm("prmt.b32 %0, %1, %2, %3;\n"
+        : "=r"(top)
+        : "r"(bytes), "r"(0u), "n"(kHigh ? 0x3424 : 0x1404));
+    const uint32_t bits = (top & 0x80008000u) | ((top >> 1) & 0x3F803F80u);
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n"
         : "=r"(out)
-        : "r"(bytes));
+        : "r"(bits), "r"(0x5C005C00u), "r"(0x80008000u));
+#else
+    if constexpr (kHigh) {
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+          : "=r"(out)
+          : "r"(bytes));
+    } else {
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+          : "=r"(out)
+          : "r"(bytes));
+    }
+#endif
   }
   return out;
 }
