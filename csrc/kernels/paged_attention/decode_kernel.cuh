@@ -82,12 +82,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   if (row0 >= num_rows) return;
 
   // The row's visible range; split s takes its tiles s, s + S, ... from the window's first tile.
-  // Without a window that is tile s, known before seq_len lands: the first page-id lookups start
-  // from it at once (see the prologue).
   const KvRange range = block_kv_range(p, seq, row0, kBlockRows);
   const UnmaskedTiles unmasked = unmasked_tiles(p, seq, range, row0, kBlockRows);
   const int kv_begin = (range.begin / kTileN + split) * kTileN;
-  const int kv_begin_without_window = split * kTileN;
   const int tile_step = args.num_splits * kTileN;
   const int num_tiles =
       range.end > kv_begin ? (range.end - kv_begin + tile_step - 1) / tile_step : 0;
@@ -101,7 +98,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // K/V tiles (see kv_tile_loader.cuh). Page ids are looked up as far as the block table reaches,
   // so that the first lookups need not wait for seq_lens.
   KVTileSource source = kv_tile_source<KV>(p, seq_index, kv_head);
-  source.kv_begin = kv_begin_without_window;
+  source.kv_begin = kv_begin;
   source.kv_end = range.end;
   source.tile_step = tile_step;
   source.lookup_end = block_table_positions(p);
@@ -134,31 +131,18 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // on seq_len (see KVTileSource::lookup_end) and both reads are in flight together. With the
   // page-id ring (eight-warp decode blocks) the ids of the first kStages tiles are waited for
   // here, with the query, before the first copy; each step then carries the ids of the tile
-  // kStages after its own, which land before they are used. The first ids are those of the
-  // block's tiles without a window, which need no seq_len; a window moves the tiles once seq_len
-  // is known, and their ids are read again.
+  // kStages after its own, which land before they are used.
   load_q();  // committed with the first K/V step (with the ring: with the first ids)
-  auto first_ids = [&] {
-    if constexpr (Traits::kPageIdRing) {
+  if constexpr (Traits::kPageIdRing) {
 #pragma unroll
-      for (int s = 0; s < kStages; ++s) loader.fetch_ids(s);
-      loader.commit();
-      cp_async_wait<0>();
-      sync_group();
-    } else {
-      loader.lookup(0);
-    }
-  };
-  first_ids();
-  if (kv_begin != kv_begin_without_window) {
-    loader.src.kv_begin = kv_begin;
-    first_ids();
+    for (int s = 0; s < kStages; ++s) loader.fetch_ids(s);
+    loader.commit();
+    cp_async_wait<0>();
+    sync_group();
   }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if constexpr (!Traits::kPageIdRing) {
-      if (s > 0) loader.lookup(s);
-    }
+    if constexpr (!Traits::kPageIdRing) loader.lookup(s);
     loader.issue(s, s);
     if constexpr (Traits::kPageIdRing) loader.fetch_ids(s + kStages);
     loader.commit();  // one step per stage, empty or not, keeps the wait counts uniform
