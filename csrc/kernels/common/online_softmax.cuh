@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cmath>
-#include <type_traits>
 
 #include "device_primitives.cuh"
 
@@ -18,9 +17,9 @@ namespace astrai::kernels {
 // row_max * exp_scale - base into one FFMA, whose rounding residual would otherwise give
 // exp2(~1e-7) != 1 and defeat the kernels' skip of a rescale by exactly 1.
 // kFixedMax: the scores are bounded (a softcap's tanh, variant.cuh) and the max stays 0: no max,
-// no rescale (alpha = 1), the weights exp2(s * exp_scale) as they are. A template argument: the
-// kernels branch once per tile (with_fixed_max), not once per row, which kept ptxas from
-// interleaving the rows' softmax work (the D = 64 prefill ran 7% slower, lab/NOTES.md).
+// no rescale (alpha = 1), the weights exp2(s * exp_scale) as they are. A template argument, as
+// the kernels are compiled per softcap kind (Softcap, variant.cuh): a branch on it in the tile
+// loop cost the prefill 3-8% (lab/NOTES.md).
 template <int kBlocksN, bool kFixedMax, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score score, float& row_max, float& row_sum,
                                                     float exp_scale) {
@@ -63,16 +62,6 @@ __device__ __forceinline__ float online_softmax_row(Score score, float& row_max,
   }
   row_sum = row_sum * alpha + sum;
   return alpha;
-}
-
-// Calls body(std::true_type) where the transform holds the max fixed, else body(std::false_type):
-// the one branch per tile around a tile's rows of online_softmax_row<..., kFixedMax>.
-template <typename Body>
-__device__ __forceinline__ void with_fixed_max(bool fixed_max, Body&& body) {
-  if (fixed_max)
-    body(std::true_type{});
-  else
-    body(std::false_type{});
 }
 
 }  // namespace astrai::kernels

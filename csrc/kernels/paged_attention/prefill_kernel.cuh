@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     const T* v_tile = v_smem + stage * Traits::kTileElements;
     const int pos0 = kv_begin + tile * kTileN;
 
-    attend_kv_tile<Traits, T, T>(
+    attend_kv_tile<Traits, T, T, /*kE5M2=*/false, kSoftcap == Softcap::kFixedMax>(
         k_tile, v_tile, 0, lane,
         [&](int mi, int ks, uint32_t (&a)[4]) { load_q_fragment(mi, ks, a); },
         [&] { return unmasked.need_mask(pos0, kTileN); },

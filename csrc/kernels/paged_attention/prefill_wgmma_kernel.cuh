@@ -208,16 +208,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 
     // Online softmax (online_softmax.cuh).
+    constexpr bool kFixedMax = kSoftcap == Softcap::kFixedMax;
     float alpha[2];
-    with_fixed_max(transform.fixed_max, [&](auto fixed) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        alpha[half] = online_softmax_row<kTileN / 8, decltype(fixed)::value>(
-            [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
-            row_sum[half], transform.exp_scale);
-      }
-    });
-    if (!transform.fixed_max) {
+    for (int half = 0; half < 2; ++half) {
+      alpha[half] = online_softmax_row<kTileN / 8, kFixedMax>(
+          [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
+          row_sum[half], transform.exp_scale);
+    }
+    if constexpr (!kFixedMax) {
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
     }

@@ -43,6 +43,8 @@ struct WarpSoftmaxState {
   }
 };
 
+// kFixedMax: the softmax keeps its max at 0 (online_softmax.cuh; a prefill compiled for
+// Softcap::kFixedMax, variant.cuh).
 // q_fragment(mi, ks, a) fills the A fragment of row block mi, k-step ks; mask_scores(s) sets the
 // scores the rows may not see to -inf, called only where needs_mask() says the tile has any
 // (asked after S, which keeps its operands out of registers during the multiplies). The scores
@@ -58,8 +60,8 @@ struct WarpSoftmaxState {
 // (load_fp8_query_fragment). For V the transposed ldmatrix gives bytes of two rows at d = 2g, 2g +
 // 1: the even d of a chunk make one n8 block of the output and the odd ones another, so O holds the
 // chunk's columns in the order fp8_output_column says (merge_warp_states stores them by it).
-template <typename Traits, typename T, typename KV, bool kE5M2 = false, typename QFragment,
-          typename NeedsMask, typename MaskScores>
+template <typename Traits, typename T, typename KV, bool kE5M2 = false, bool kFixedMax = false,
+          typename QFragment, typename NeedsMask, typename MaskScores>
 __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_tile, int warp_col0,
                                                int lane, QFragment&& q_fragment,
                                                NeedsMask&& needs_mask, MaskScores&& mask_scores,
@@ -136,17 +138,15 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
   // Online softmax (online_softmax.cuh). O is rescaled only when some lane's alpha differs from
   // 1; skipping a multiply by exactly 1 changes nothing.
   float alpha[kMRep][2];
-  with_fixed_max(transform.fixed_max, [&](auto fixed) {
 #pragma unroll
-    for (int mi = 0; mi < kMRep; ++mi) {
+  for (int mi = 0; mi < kMRep; ++mi) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        alpha[mi][half] = online_softmax_row<kWarpTileN / 8, decltype(fixed)::value>(
-            [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; },
-            state.row_max[mi][half], state.row_sum[mi][half], transform.exp_scale);
-      }
+    for (int half = 0; half < 2; ++half) {
+      alpha[mi][half] = online_softmax_row<kWarpTileN / 8, kFixedMax>(
+          [&](int nt, int e) -> float& { return s_acc[mi][nt][half * 2 + e]; },
+          state.row_max[mi][half], state.row_sum[mi][half], transform.exp_scale);
     }
-  });
+  }
   bool rescale = false;
 #pragma unroll
   for (int mi = 0; mi < kMRep; ++mi) rescale |= alpha[mi][0] != 1.f || alpha[mi][1] != 1.f;

@@ -155,7 +155,8 @@ __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
 // scores are multiplied first. With a softcap the scores become tanh(s * scale / softcap) and
 // softcap * log2(e) is what folds into the exponent.
 //
-// A softcap bounds the scores, so the softmax needs no running max (fixed_max): with the max held
+// A softcap bounds the scores, so the softmax needs no running max (Softcap::kFixedMax below,
+// online_softmax_row's kFixedMax): with the max held
 // at 0 the weights 2^(softcap * log2(e) * tanh) lie in [2^-c, 2^c] for c = softcap * log2(e), all
 // normal floats (and bf16s: P is bf16 for the P V multiply) while c <= kFixedMaxLimit, and a sum
 // of up to 2^40 of them stays far below float's 2^128. That saves the max, its shuffles and the
@@ -169,7 +170,6 @@ struct ScoreTransform {
   bool fold;         // scale_log2 folded into exp_scale
   bool softcap;      // softcap on
   float cap_in;      // scale / softcap
-  bool fixed_max;    // bounded scores: the max stays 0 (online_softmax_row)
 };
 // What a kernel is compiled for (a template argument, so that no softcap or fixed-max branch
 // sits in the tile loop of a call that does not need it: such branches cost the wgmma prefill
@@ -194,7 +194,6 @@ __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionPa
   t.fold = !t.softcap && scale_log2 > 0.f;
   t.exp_scale = t.softcap ? p.softcap * kLog2e : (t.fold ? scale_log2 : 1.f);
   t.cap_in = t.softcap ? scale_log2 / (kLog2e * p.softcap) : 0.f;
-  t.fixed_max = kSoftcap == Softcap::kFixedMax;
   return t;
 }
 
