@@ -97,11 +97,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   };
   // K/V tiles (see kv_tile_loader.cuh). Page ids are looked up as far as the block table reaches,
   // so that the first lookups need not wait for seq_lens.
-  KVTileSource source = kv_tile_source<KV>(p, seq_index, kv_head);
-  source.kv_begin = kv_begin;
-  source.kv_end = range.end;
-  source.tile_step = tile_step;
-  source.lookup_end = block_table_positions(p);
+  const KVTileSource source = kv_tile_source<KV>(p, seq_index, kv_head, kv_begin, range.end,
+                                                 tile_step, block_table_positions(p));
   // The eight-warp decode block's page-id ring follows the V stages (Traits::kPageIdRing).
   KVTileLoader<Traits, KV> loader(source, k_smem, v_smem, tid,
                                   reinterpret_cast<int32_t*>(v_smem + Traits::kKVSmemElements));

@@ -133,11 +133,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   // Pool addressing shared by every item; the loader is pointed at an item per call.
-  KVTileSource source = kv_tile_source<T>(p, 0, 0);
-  source.kv_begin = 0;
-  source.tile_step = kTileN;
-  source.lookup_end =
-      static_cast<int>(min((int64_t)p.block_table_width << p.log2_page_size, (int64_t)INT32_MAX));
+  // (kv_end is each item's: issue_at takes it.)
+  const KVTileSource source = kv_tile_source<T>(p, 0, 0, 0, 0, kTileN, block_table_positions(p));
   Loader loader(source, k_smem, v_smem, tid, page_ids);
   const char* k_cache = static_cast<const char*>(p.k_cache);
   const char* v_cache = static_cast<const char*>(p.v_cache);

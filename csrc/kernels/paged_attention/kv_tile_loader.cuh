@@ -62,11 +62,17 @@ struct KVTileSource {
   int lookup_end;
 };
 
-// The pool addressing of one (sequence, kv head); the block's kv range is the caller's.
+// The pool addressing of one (sequence, kv head) and the block's tiles: kv_begin, kv_begin +
+// tile_step, ... below kv_end, page ids looked up below lookup_end (KVTileSource).
 template <typename KV>
 __device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParams& p, int seq,
-                                                       int kv_head) {
+                                                       int kv_head, int kv_begin, int kv_end,
+                                                       int tile_step, int lookup_end) {
   KVTileSource source;
+  source.kv_begin = kv_begin;
+  source.kv_end = kv_end;
+  source.tile_step = tile_step;
+  source.lookup_end = lookup_end;
   source.k_head =
       static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(KV);
   source.v_head =

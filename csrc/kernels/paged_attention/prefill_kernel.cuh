@@ -65,11 +65,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
   // ---- global -> shared copies -------------------------------------------------------------
   // K/V tiles (see kv_tile_loader.cuh): page ids looked up just before each copy.
-  KVTileSource source = kv_tile_source<T>(p, seq_index, kv_head);
-  source.kv_begin = kv_begin;
-  source.kv_end = range.end;
-  source.tile_step = kTileN;
-  source.lookup_end = range.end;
+  const KVTileSource source =
+      kv_tile_source<T>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end);
   KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
   loader.prescan_page_ids();  // once per block: the copies then only clamp their ids
 

@@ -110,11 +110,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int num_tiles = range.end > kv_begin ? (range.end - kv_begin + kTileN - 1) / kTileN : 0;
 
   // ---- global -> shared copies -------------------------------------------------------------
-  KVTileSource source = kv_tile_source<T>(p, seq_index, kv_head);
-  source.kv_begin = kv_begin;
-  source.kv_end = range.end;
-  source.tile_step = kTileN;
-  source.lookup_end = range.end;
+  const KVTileSource source =
+      kv_tile_source<T>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end);
   KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
   loader.prescan_page_ids();  // once per block: the copies then only clamp their ids
 
