@@ -15,9 +15,9 @@ from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
     PagedBatch,
-    poison_next_allocation,
     splits_tuning,
 )
+from tests.kernels.test_cuda_variants import run as run_variant
 from tests.kernels.test_cuda_variants import variant_reference
 
 pytestmark = [
@@ -76,26 +76,17 @@ def run(
     return_lse=False,
     scale=None,
 ):
-    q = batch.q
-    poison_next_allocation(q.shape, q.dtype)
-    return torch.ops.astr.cuda_paged_attention(
-        q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
-        1 if decode else max(batch.q_lens_list),
+    return run_variant(
+        batch,
+        batch.q,
         decode,
-        None,
-        True,
-        scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        scale if scale is not None else 1.0 / math.sqrt(batch.q.shape[-1]),
         window_left,
         softcap,
         sinks,
-        return_lse,
-        batch.k_scale if scales else None,
-        batch.v_scale if scales else None,
+        return_lse=return_lse,
+        k_scale=batch.k_scale if scales else None,
+        v_scale=batch.v_scale if scales else None,
     )
 
 

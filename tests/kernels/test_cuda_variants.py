@@ -71,7 +71,20 @@ def variant_reference(batch, q, scale, window_left=-1, softcap=None, sinks=None,
     return out, lse
 
 
-def run(batch, q, decode, scale, window_left=-1, softcap=None, sinks=None, attn_mask=None):
+def run(
+    batch,
+    q,
+    decode,
+    scale,
+    window_left=-1,
+    softcap=None,
+    sinks=None,
+    attn_mask=None,
+    return_lse=True,
+    k_scale=None,
+    v_scale=None,
+):
+    """The cuda op over the batch's pools (an FP8 batch passes its scales), output poisoned."""
     poison_next_allocation(q.shape, q.dtype)
     return torch.ops.astr.cuda_paged_attention(
         q,
@@ -88,7 +101,9 @@ def run(batch, q, decode, scale, window_left=-1, softcap=None, sinks=None, attn_
         window_left,
         softcap or 0.0,
         sinks,
-        True,
+        return_lse,
+        k_scale,
+        v_scale,
     )
 
 
