@@ -59,6 +59,7 @@ std::string kernel_list_json() {
     if (row.decode_eight_warps) list += ", \"decode_eight_warps\"";
     if (row.decode_persistent) list += ", \"decode_persistent\"";
     if (row.prefill_wgmma) list += ", \"prefill_wgmma\"";
+    if (row.prefill_warp_specialized) list += ", \"prefill_warp_specialized\"";
     forms += "\"" + d + "\": [" + list + "]";
   }
   std::string q_dtypes;

@@ -1,4 +1,4 @@
-"""Writes csrc/kernels/wgmma_calls.inc: the inline-PTX wgmma calls of the sm_90a prefill kernel.
+"""Writes csrc/kernels/common/wgmma_calls.inc: the inline-PTX wgmma calls of the sm_90a prefill kernel.
 
 A wgmma names every accumulator register in its operand list (64 for m64n128), which is tedious
 and error-prone by hand, so this script spells them out. Run it after changing the shapes below;
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "csrc" / "kernels" / "wgmma_calls.inc"
+OUT = Path(__file__).resolve().parent.parent / "csrc" / "kernels" / "common" / "wgmma_calls.inc"
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
-WIDTHS = (64, 96, 128)
+WIDTHS = (64, 80, 96, 128, 256)
 
 
 def operand_list(count: int, start: int = 0) -> str:

@@ -29,6 +29,7 @@ class HeadDim:
     decode_eight_warps: bool
     decode_persistent: bool
     prefill_wgmma: bool
+    prefill_warp_specialized: bool
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def read_config(path: str = CONFIG):
     head_dims: List[HeadDim] = []
     for row in re.finditer(r"\{([^{}]*)\}", _between(text, "BEGIN HEAD DIMS", "END HEAD DIMS")):
         cells = [c.strip() for c in row.group(1).split(",")]
-        head_dims.append(HeadDim(int(cells[0]), *[c == "true" for c in cells[1:5]]))
+        head_dims.append(HeadDim(int(cells[0]), *[c == "true" for c in cells[1:6]]))
     q_types = [
         QType(m.group(1), m.group(2), "bf16" if "bfloat16" in m.group(2) else "fp16")
         for m in re.finditer(
@@ -104,6 +105,12 @@ FAMILIES = {
         "run_paged_prefill_wgmma",
         "const PagedKernelArgs&, cudaStream_t",
         "prefill_wgmma",
+    ),
+    "paged_prefill_warp_specialized": (
+        "prefill_warp_specialized_kernel.cuh",
+        "run_paged_prefill_warp_specialized",
+        "const PagedKernelArgs&, cudaStream_t",
+        "prefill_warp_specialized",
     ),
 }
 

@@ -23,7 +23,11 @@ DECODE_FORMS = (
     "decode_form=eight_warps,decode_splits=1",
     "decode_form=persistent,persistent_blocks=2",
 )
-PREFILL_KERNELS = ("prefill_kernel=wgmma", "prefill_kernel=mma_sync")
+PREFILL_KERNELS = (
+    "prefill_kernel=warp_specialized",
+    "prefill_kernel=wgmma",
+    "prefill_kernel=mma_sync",
+)
 
 
 def paged_attention(tuning: str, *args):
@@ -73,7 +77,9 @@ def main() -> None:
         long_decodes = [paged_attention(form, *long_decode) for form in DECODE_FORMS]
         torch.cuda.synchronize()
         assert all(torch.isfinite(x).all() for x in prefills + decodes + long_decodes)
-        assert torch.allclose(prefills[0].float(), prefills[1].float(), atol=2e-2)
+        assert all(
+            torch.allclose(x.float(), prefills[-1].float(), atol=2e-2) for x in prefills[:-1]
+        )
         for other in range(1, len(DECODE_FORMS)):
             assert torch.allclose(decodes[0].float(), decodes[other].float(), atol=2e-2)
             assert torch.allclose(long_decodes[0].float(), long_decodes[other].float(), atol=2e-2)

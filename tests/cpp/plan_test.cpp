@@ -320,22 +320,41 @@ TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
   EXPECT_EQ(tuning.decode_form, DecodeForm::kAuto);
 }
 
-TEST(PrefillPlan, WgmmaWhereTheHeadDimCompilesItOnSm90aElseMmaSync) {
+TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   KernelTuning automatic;
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
             PrefillKernel::kWgmma);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), automatic).kernel,
+            PrefillKernel::kWarpSpecialized);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(256, h200(), automatic).kernel,
+            PrefillKernel::kWarpSpecialized);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
             PrefillKernel::kMmaSync);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, a100(), automatic).kernel,
+            PrefillKernel::kMmaSync);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, a100(), automatic).kernel,
             PrefillKernel::kMmaSync);
   DeviceFacts no_sm90a = h200();
   no_sm90a.has_sm90a_code = false;
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, no_sm90a, automatic).kernel,
             PrefillKernel::kMmaSync);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, no_sm90a, automatic).kernel,
+            PrefillKernel::kMmaSync);
   KernelTuning mma_sync;
   mma_sync.prefill_kernel = PrefillKernel::kMmaSync;
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), mma_sync).kernel,
             PrefillKernel::kMmaSync);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), mma_sync).kernel,
+            PrefillKernel::kMmaSync);
+  // A preference for a kernel the head dim does not compile gives the automatic choice.
+  KernelTuning wgmma;
+  wgmma.prefill_kernel = PrefillKernel::kWgmma;
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), wgmma).kernel,
+            PrefillKernel::kWarpSpecialized);
+  KernelTuning warp_specialized;
+  warp_specialized.prefill_kernel = PrefillKernel::kWarpSpecialized;
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), warp_specialized).kernel,
+            PrefillKernel::kWgmma);
   EXPECT_NE(astrai::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
 }
 

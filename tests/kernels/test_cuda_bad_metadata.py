@@ -117,12 +117,18 @@ def test_decode_with_bad_metadata_poisons_only_its_sequence(case, splits, merge,
     assert_others_match(run(batch, True), batch, -1)
 
 
+# Each prefill kernel at a head dim that compiles it (config.h; elsewhere the plan runs another).
+PREFILL_KERNEL_HEAD_DIMS = [("warp_specialized", 64), ("wgmma", 128), ("mma_sync", 128)]
+
+
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
-def test_prefill_with_bad_metadata_poisons_only_its_sequence(case, kernel, tuning):
+@pytest.mark.parametrize("kernel,head_dim", PREFILL_KERNEL_HEAD_DIMS)
+def test_prefill_with_bad_metadata_poisons_only_its_sequence(case, kernel, head_dim, tuning):
     tuning(f"prefill_kernel={kernel}")
     g = torch.Generator(device="cuda").manual_seed(17)
-    batch = PagedBatch([700, 900, 2000], [50, 130, 64], 8, 2, 128, 16, torch.bfloat16, generator=g)
+    batch = PagedBatch(
+        [700, 900, 2000], [50, 130, 64], 8, 2, head_dim, 16, torch.bfloat16, generator=g
+    )
     table, lens = corrupt(batch, case)
     out = run(batch, False, table, lens)
     rows = out[token_rows(batch, 1)]
@@ -154,14 +160,16 @@ def test_decode_padding_slot_of_length_zero_is_zeros():
     assert_others_match(out, batch, 1)
 
 
-@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
-def test_prefill_with_a_broken_query_start_loc_stays_inside_its_tensors(kernel, tuning):
+@pytest.mark.parametrize("kernel,head_dim", PREFILL_KERNEL_HEAD_DIMS)
+def test_prefill_with_a_broken_query_start_loc_stays_inside_its_tensors(kernel, head_dim, tuning):
     """A decreasing query_start_loc, one past the tokens, and more new tokens than max_query_len:
     the call completes (no access outside q and out: compute-sanitizer checks it), and the CUDA
     context survives."""
     tuning(f"prefill_kernel={kernel}")
     g = torch.Generator(device="cuda").manual_seed(23)
-    batch = PagedBatch([700, 900, 2000], [50, 130, 64], 8, 2, 128, 16, torch.bfloat16, generator=g)
+    batch = PagedBatch(
+        [700, 900, 2000], [50, 130, 64], 8, 2, head_dim, 16, torch.bfloat16, generator=g
+    )
     t = batch.num_tokens
     for starts in ([0, 50, 40, t], [0, 50, 180, t + 4000], [0, -5, 180, t]):
         qsl = torch.tensor(starts, dtype=torch.int32, device="cuda")

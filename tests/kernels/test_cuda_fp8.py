@@ -177,7 +177,7 @@ def test_fp8_decode_in_every_form_with_the_variants(splits, merge, fp8, tuning):
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("page_size", [1, 16, 128])
-@pytest.mark.parametrize("kernel", ["wgmma", "mma_sync"])
+@pytest.mark.parametrize("kernel", ["warp_specialized", "wgmma", "mma_sync"])
 def test_fp8_prefill_with_cached_prefixes_matches_reference(
     fp8, head_dim, page_size, kernel, tuning
 ):

@@ -308,11 +308,12 @@ def test_decode_with_mask_and_empty_rows():
     assert (out[1] == 0).all()
 
 
-@pytest.fixture(params=["wgmma", "mma_sync"])
+@pytest.fixture(params=["warp_specialized", "wgmma", "mma_sync"])
 def prefill_kernel(request, tuning):
-    """Prefill tests run on both prefill kernels, forced with the kernel tuning: wgmma wherever it
-    runs (an sm_90 GPU, a library built for sm_90a, a head dim that compiles it: D = 128;
-    elsewhere this case runs mma.sync again) and mma.sync."""
+    """Prefill tests run on both prefill kernels, forced with the kernel tuning: the
+    warp-specialised wgmma kernel wherever it runs (an sm_90 GPU, a library built for sm_90a, a
+    head dim that compiles it: D = 64, 128, 256; elsewhere this case runs mma.sync again) and
+    mma.sync."""
     tuning(f"prefill_kernel={request.param}")
     return request.param
 

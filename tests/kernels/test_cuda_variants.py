@@ -163,7 +163,7 @@ def test_decode_variants_match_reference(variant, splits, merge, head_dim, tunin
     assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
-@pytest.fixture(params=["wgmma", "mma_sync"])
+@pytest.fixture(params=["warp_specialized", "wgmma", "mma_sync"])
 def prefill_kernel(request, tuning):
     tuning(f"prefill_kernel={request.param}")
     return request.param

@@ -21,23 +21,30 @@ namespace astrai::kernels {
 //   decode_block_pairs   2 splits as one block of two groups of warps (traits.h, kGroups)
 //   decode_eight_warps   1 split as one block of 8 warps per SM (traits.h, kWarps)
 //   decode_persistent    one block per SM taking items in turn (decode_persistent_kernel.cuh)
-//   prefill_wgmma        Hopper's warpgroup multiply (prefill_wgmma_kernel.cuh; sm_90a builds)
+//   prefill_wgmma        prefill on Hopper's warpgroup multiply, every warp loading and
+//                        multiplying (prefill_wgmma_kernel.cuh; sm_90a builds)
+//   prefill_warp_specialized  the warp-specialised prefill on wgmma: a producer warpgroup, two
+//                        consumers taking turns (prefill_warp_specialized_kernel.cuh; sm_90a
+//                        builds; head dims of 64-element column blocks)
+// Where both prefills on wgmma could run, each head dim compiles the one measured faster
+// (plan.cpp has the numbers): the plan runs the compiled one.
 struct HeadDimForms {
   int head_dim;
   bool decode_block_pairs;
   bool decode_eight_warps;
   bool decode_persistent;
   bool prefill_wgmma;
+  bool prefill_warp_specialized;
 };
 
 // clang-format off
 // generate_instantiations.py parses the rows between the two markers: keep one row per line.
 inline constexpr HeadDimForms kPagedHeadDims[] = {
     // BEGIN HEAD DIMS
-    {64,  false, false, false, false},
-    {96,  false, false, false, false},
-    {128, true,  true,  true,  true},
-    {256, false, false, false, false},
+    {64,  false, false, false, false, true},
+    {96,  false, false, false, false, false},
+    {128, true,  true,  true,  true,  false},
+    {256, false, false, false, false, true},
     // END HEAD DIMS
 };
 // clang-format on

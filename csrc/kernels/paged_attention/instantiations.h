@@ -53,4 +53,8 @@ LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream)
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t stream);
 
+// The warp-specialised prefill on wgmma (prefill_warp_specialized_kernel.cuh): as above.
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cudaStream_t stream);
+
 }  // namespace astrai::kernels

@@ -6,6 +6,8 @@
 //                       starts at kv position kv_begin + t * tile_step)
 //   fetch_ids(tile)     Traits::kPageIdRing instead: start copying the tile's page ids into its
 //                       slot of a ring in shared memory, landed with the next commit's step
+//   read_ring_id(tile), put_ring_id(tile, id)
+//                       the ring filled by plain loads and stores (a warp-specialised producer)
 //   *_at(...)           fetch_ids and issue for another (sequence, kv head) and ring slot (the
 //                       persistent decode, paged_decode_persistent_kernel.cuh)
 //   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
@@ -207,6 +209,30 @@ struct KVTileLoader {
     }
   }
 
+  // The ring filled by plain loads and stores instead of fetch_ids (a warp-specialised producer,
+  // whose own barrier publishes the stores): this thread's page id of a tile (0 for ids past
+  // lookup_end, or for a thread with no id), read a tile ahead into a register, and its store
+  // into the tile's slot.
+  // Tiles of any width (the ring's ids of a tile start at its first position's page).
+  __device__ __forceinline__ int32_t read_ring_id(int tile) const {
+    static_assert(kIdRing, "read_ring_id: the page-id ring");
+    const int log2_page = src.log2_page_size;
+    const int pos0 = src.kv_begin + tile * src.tile_step;
+    const int first = pos0 >> log2_page;
+    const int count = ((pos0 + kTileN - 1) >> log2_page) - first + 1;
+    const int ids_end = (src.lookup_end + (1 << log2_page) - 1) >> log2_page;
+    return thread < count && first + thread < ids_end ? src.block_table[first + thread] : 0;
+  }
+  __device__ __forceinline__ void put_ring_id(int tile, int32_t id) {
+    if (thread < kTileN) id_ring[(tile & (kIdSlots - 1)) * kTileN + thread] = id;
+  }
+  // The ring entry of a tile's row: tiles of a power-of-two width start at multiples of it, and
+  // hold whole pages or lie in one.
+  __device__ __forceinline__ int ring_index(int pos0, int row) const {
+    if constexpr (is_power_of_two(kTileN)) return row >> src.log2_page_size;
+    return ((pos0 + row) >> src.log2_page_size) - (pos0 >> src.log2_page_size);
+  }
+
   // This thread's column of a (sequence, kv head)'s rows: head + its 16-byte chunk (the row
   // start where copies take their own chunks).
   __device__ __forceinline__ const char* thread_column(const char* head) const {
@@ -216,8 +242,14 @@ struct KVTileLoader {
   __device__ __forceinline__ void issue(int tile, int stage) {
     issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile);
   }
+  // K or V alone (a warp-specialised kernel hands each to its consumers on its own barrier).
+  template <bool kCopyK, bool kCopyV>
+  __device__ __forceinline__ void issue_part(int tile, int stage) {
+    issue_at<kCopyK, kCopyV>(k_thread, v_thread, src.kv_end, tile, stage, tile);
+  }
   // The same for another (sequence, kv head): its columns (thread_column) and kv end, page ids
   // from the ring slot of tile slot_tile.
+  template <bool kCopyK = true, bool kCopyV = true>
   __device__ __forceinline__ void issue_at(const char* k_column, const char* v_column, int kv_end,
                                            int tile, int stage, int slot_tile) {
     const int pos0 = src.kv_begin + tile * src.tile_step;
@@ -235,7 +267,7 @@ struct KVTileLoader {
       int page = 0;
       if (valid) {
         if constexpr (kIdRing)
-          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + (row >> src.log2_page_size)];
+          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + ring_index(pos0, row)];
         else
           page = pages[i];
         page = static_cast<int>(
@@ -254,8 +286,8 @@ struct KVTileLoader {
         offset = swizzled_128b_tile_offset<kTileN>(row, column);
       else
         offset = tile_offset<D, Traits::kKVSwizzle, Traits::kKVChunkElements>(row, column);
-      cp_async_16(shared_address(k_dst + offset), k_src, valid);
-      cp_async_16(shared_address(v_dst + offset), v_src, valid);
+      if constexpr (kCopyK) cp_async_16(shared_address(k_dst + offset), k_src, valid);
+      if constexpr (kCopyV) cp_async_16(shared_address(v_dst + offset), v_src, valid);
     }
   }
 

@@ -176,6 +176,7 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
   args.query_start_loc = params.query_start_loc;
   args.max_query_len = params.max_query_len;
   const bool wgmma = plan.kernel == PrefillKernel::kWgmma;
+  const bool warp_specialized = plan.kernel == PrefillKernel::kWarpSpecialized;
   status = {"paged prefill: head_dim " + std::to_string(params.head_dim) + " is not built"};
   for_head_dim(params.head_dim, [&](auto d) {
     constexpr int D = decltype(d)::value;
@@ -189,6 +190,12 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
           if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
         }
         if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
+        if constexpr (paged_head_dim_forms(D)->prefill_warp_specialized) {
+          if (warp_specialized) return run_paged_prefill_warp_specialized<D, T, KV>(args, stream);
+        }
+        if (warp_specialized) {
+          return {"prefill: the warp-specialised kernel is not compiled for this head dim"};
+        }
         return run_paged_prefill<D, T, KV>(args, stream);
       }
     });

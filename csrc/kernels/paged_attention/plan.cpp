@@ -116,6 +116,8 @@ const char* prefill_kernel_name(PrefillKernel kernel) {
   switch (kernel) {
     case PrefillKernel::kAuto:
       return "auto";
+    case PrefillKernel::kWarpSpecialized:
+      return "warp_specialized";
     case PrefillKernel::kWgmma:
       return "wgmma";
     case PrefillKernel::kMmaSync:
@@ -155,8 +157,8 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       ok = parse_int(value, 1, 1 << 20, &parsed.persistent_blocks);
     } else if (key == "prefill_kernel") {
       ok = false;
-      for (PrefillKernel kernel :
-           {PrefillKernel::kAuto, PrefillKernel::kWgmma, PrefillKernel::kMmaSync}) {
+      for (PrefillKernel kernel : {PrefillKernel::kAuto, PrefillKernel::kWarpSpecialized,
+                                   PrefillKernel::kWgmma, PrefillKernel::kMmaSync}) {
         if (value == prefill_kernel_name(kernel)) {
           parsed.prefill_kernel = kernel;
           ok = true;
@@ -169,7 +171,7 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       return "kernel tuning: cannot read '" + std::string(item) +
              "' (expected comma-separated decode_form=auto|split|cluster|block_pairs|"
              "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
-             "prefill_kernel=auto|wgmma|mma_sync)";
+             "prefill_kernel=auto|warp_specialized|wgmma|mma_sync)";
     }
   }
   *tuning = parsed;
@@ -287,11 +289,15 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
   return plan;
 }
 
-// Where the wgmma prefill beats the mma.sync one (H200, causal bf16, bench_attention.py --quick,
-// TFLOP/s wgmma vs mma.sync): at D = 128 on every row, 1.06-1.52x (B=2 S=4096 GQA 343 vs 300,
-// ragged batch 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not, even with 128-wide tiles
-// (B=4 S=4096: 235 vs 252 and 238 vs 260; 96-wide: 224 and 233): the softmax, the same per row,
-// weighs twice as much against half the multiply. So only D = 128 compiles it (config.h).
+// Where the wgmma prefills beat the mma.sync one (H200, causal bf16, bench_attention.py --quick,
+// TFLOP/s). The first wgmma kernel (every warp loads and multiplies): at D = 128 on every row,
+// 1.06-1.52x (B=2 S=4096 GQA 343 vs 300, ragged 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not
+// (B=4 S=4096: 235 vs 252). The warp-specialised one (a producer warpgroup, two consumers taking
+// turns): at D = 64 1.18-1.20x the mma.sync kernel (B=4 S=4096 309 vs 262); at D = 128 0.91-0.96x
+// the first wgmma kernel (B=2 S=4096 GQA 343 vs 371, ragged 346 vs 378): its consumers fit 80-wide
+// tiles under their register cap, where the first kernel runs 96-wide ones (lab/NOTES.md). So
+// config.h compiles the warp-specialised kernel at D = 64 and 256, the first at D = 128, and the
+// plan runs whichever is compiled.
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device,
                                const KernelTuning& tuning) {
   PrefillPlan plan;
@@ -301,10 +307,21 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device,
     return plan;
   }
   // sm_90a code runs on sm_90 only.
-  const bool wgmma_runs = forms->prefill_wgmma && device.has_sm90a_code && device.arch == 90;
-  plan.kernel = wgmma_runs && tuning.prefill_kernel != PrefillKernel::kMmaSync
-                    ? PrefillKernel::kWgmma
-                    : PrefillKernel::kMmaSync;
+  const bool sm90a = device.has_sm90a_code && device.arch == 90;
+  const bool warp_specialized_runs = forms->prefill_warp_specialized && sm90a;
+  const bool wgmma_runs = forms->prefill_wgmma && sm90a;
+  const PrefillKernel wanted = tuning.prefill_kernel;
+  if (wanted == PrefillKernel::kMmaSync) {
+    plan.kernel = PrefillKernel::kMmaSync;
+  } else if (wanted == PrefillKernel::kWgmma && wgmma_runs) {
+    plan.kernel = PrefillKernel::kWgmma;
+  } else if (warp_specialized_runs) {
+    plan.kernel = PrefillKernel::kWarpSpecialized;
+  } else if (wgmma_runs) {
+    plan.kernel = PrefillKernel::kWgmma;
+  } else {
+    plan.kernel = PrefillKernel::kMmaSync;
+  }
   return plan;
 }
 

@@ -47,7 +47,7 @@ struct DeviceFacts {
 };
 
 enum class DecodeForm : int { kAuto, kSplit, kCluster, kBlockPairs, kEightWarps, kPersistent };
-enum class PrefillKernel : int { kAuto, kWgmma, kMmaSync };
+enum class PrefillKernel : int { kAuto, kWarpSpecialized, kWgmma, kMmaSync };
 
 // Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
 // ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
@@ -58,7 +58,8 @@ enum class PrefillKernel : int { kAuto, kWgmma, kMmaSync };
 //                                    the automatic form, 2 splits merge as the rule would merge 2
 //   persistent_blocks=N              the persistent decode's grid (at most the items), for tests
 //                                    that give each block several items
-//   prefill_kernel=auto|wgmma|mma_sync  wgmma where it runs, or never
+//   prefill_kernel=auto|warp_specialized|wgmma|mma_sync  a preference: that kernel where it
+//                                    runs (else the automatic choice), or mma.sync always
 struct KernelTuning {
   DecodeForm decode_form = DecodeForm::kAuto;
   int decode_splits = 0;      // 0: the rule's

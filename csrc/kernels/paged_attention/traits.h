@@ -33,8 +33,9 @@
 // tile_math.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
 // bytes), an XOR swizzle instead of row padding (one address register per fragment, spills;
 // measured again with the decode swizzle: 298 -> 295 TFLOP/s at B=2 S=4096, 96 bytes of spills).
-// On sm_90 prefill at D = 128 runs prefill_wgmma_kernel.cuh instead (Hopper's wgmma,
-// operands straight from shared memory); these traits are its fallback and the sm_80 kernel.
+// On sm_90 prefill at D = 64, 128 and 256 runs prefill_wgmma_kernel.cuh instead (a
+// warp-specialised kernel on Hopper's wgmma); these traits are its fallback, D = 96's kernel and
+// the sm_80 kernel.
 //
 // Head dims whose rows are not a power of two of 16-byte chunks (D = 96: 12) keep padded rows in
 // decode too (the swizzle permutes 8 chunks), and their copies and merges index (row, chunk)

@@ -1,0 +1,409 @@
+// Paged prefill on Hopper (sm_90a): a warp-specialised kernel on the warpgroup multiply (wgmma),
+// and its launcher. The plan runs it on sm_90 when the library was built for sm_90a and the head
+// dim compiles it (config.h: D = 64 and 256; at D = 128 prefill_wgmma_kernel.cuh measured faster,
+// plan.cpp).
+//
+// Same work split and semantics as the mma.sync prefill (traits.h, variant.cuh): a block owns
+// kBlockRows packed query rows (new token, q head of the GQA group) of one (sequence, kv head) and
+// walks its kv tiles (causal tiles past the block's last token skipped) with the online softmax of
+// FlashAttention-2. The block is three warpgroups with roles (warp_specialization.cuh):
+//   - the producer (warpgroup 0) copies the K and V tiles from the pages into kStages
+//     shared-memory stages with cp.async (a gather: any page size, any page order), and hands
+//     each K and each V tile over on its own mbarrier once its copies have landed; it keeps few
+//     registers (setmaxnreg) so that the consumers can have more;
+//   - two consumers (warpgroups 1 and 2) own 64 query rows each. S = Q K^T takes Q and K from
+//     shared memory, O += P V takes P from the S accumulators (registers) and V from shared
+//     memory, both asynchronous. Inside a consumer, the scores of tile t are multiplied while
+//     P V of tile t - 1 is, and the softmax of tile t runs while P V of tile t - 1 is still in
+//     flight; between the two consumers, named barriers make them take turns issuing their
+//     multiplies, so that one's softmax overlaps the other's multiplies ("ping-pong").
+// Q, K and V tiles are in the 128-byte swizzled layout the descriptors describe
+// (common/wgmma_primitives.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "../common/device_primitives.cuh"
+#include "../common/launch_status.h"
+#include "../common/online_softmax.cuh"
+#include "../common/warp_specialization.cuh"
+#include "../common/wgmma_primitives.cuh"
+#include "instantiations.h"
+#include "kv_tile_loader.cuh"
+#include "params.h"
+#include "query_rows.cuh"
+#include "variant.cuh"
+
+namespace astrai::kernels {
+
+template <int kHeadDim_>
+struct PrefillWarpSpecializedTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kDecode = false;
+  static constexpr int kConsumers = 2;  // consumer warpgroups, 64 rows each (wgmma's M)
+  static constexpr int kBlockThreads = (1 + kConsumers) * 128;
+  static constexpr int kThreads = 128;  // the K/V loader's threads: the producer warpgroup
+  static constexpr int kGroups = 1;
+  static constexpr int kBlockRows = kConsumers * 64;
+  // kv positions per tile (S's N): the O accumulators (D / 2 registers), one tile's scores
+  // (kTileN / 2) and the previous tile's P (kTileN / 4) live at once under the consumers' cap.
+  // (D = 128, 56 / 224 registers: 96-wide tiles spilled 156 bytes and ran 0.74-0.82x as fast,
+  // 128-wide ones with 24 / 240 registers spilled 420 and ran 0.65-0.81x; lab/NOTES.md.)
+  static constexpr int kTileN = kHeadDim == 64 ? 128 : kHeadDim == 256 ? 64 : 80;
+  static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? 3 : 2;
+  // Registers per thread: the block starts with the cap of __launch_bounds__ (65536 / 384, in
+  // steps of 8: 168), and setmaxnreg only moves them between warpgroups: a consumer's request
+  // beyond what the producer gave back waits forever.
+  static constexpr int kLaunchRegisters = (65536 / kBlockThreads) / 8 * 8;
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
+  static constexpr int kElementBytes = 2;
+  static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
+  static constexpr int kKVBytes =
+      kElementBytes;  // FP8 pages reach it dequantized (dequantize_pages.cu)
+  static constexpr int kKVChunksPerRow = kChunksPerRow;
+  static constexpr bool kWgmmaTiles = true;
+  // Page ids from a ring in shared memory, a tile's ids read a tile ahead (kv_tile_loader.cuh):
+  // ids in registers, 16 a tile per thread, made the producer spill.
+  static constexpr bool kPageIdRing = true;
+  static constexpr int kPageIdSlots = kStages == 2 ? 4 : 8;
+  static constexpr int kTileElements = kTileN * kHeadDim;
+  static constexpr int kQElements = kBlockRows * kHeadDim;
+  static constexpr int kTileBytes = (kQElements + 2 * kStages * kTileElements) * kElementBytes;
+  // The barriers after the tiles: full and empty, for K and V, per stage.
+  static constexpr int kBarrierBytes = 4 * kStages * 8;
+  static constexpr int kIdRingBytes = kPageIdSlots * kTileN * 4;
+  // + 1024: the tiles start on the first 1024-byte boundary of the dynamic shared memory.
+  static constexpr int kSmemBytes = kTileBytes + kBarrierBytes + kIdRingBytes + 1024;
+  static_assert(kHeadDim % 64 == 0, "column blocks of 64 elements");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+  static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <=
+                    (1 + kConsumers) * kLaunchRegisters,
+                "setmaxnreg: the consumers claim only what the producer releases");
+};
+
+// The stage hand-off barriers of one block (warp_specialization.cuh).
+template <int kStages>
+struct StageBarriers {
+  uint64_t k_full[kStages], v_full[kStages];    // the producer's 128 threads arrive
+  uint64_t k_empty[kStages], v_empty[kStages];  // the consumers' 8 warps arrive
+};
+
+// kSoftcap: the softcap it is compiled for (variant.cuh).
+template <typename Traits, typename T, Softcap kSoftcap>
+__global__ void __launch_bounds__(Traits::kBlockThreads, 1)
+    paged_prefill_warp_specialized_kernel(const __grid_constant__ PagedKernelArgs args) {
+#if defined(ASTRAI_HAS_WGMMA)
+  constexpr int D = Traits::kHeadDim;
+  constexpr int kChunks = Traits::kChunksPerRow;
+  constexpr int kTileN = Traits::kTileN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kBlockRows = Traits::kBlockRows;
+  constexpr int kConsumerWarps = Traits::kConsumers * 4;
+  constexpr float kNegInf = -INFINITY;
+  // Named barriers (0 is __syncthreads'): the producer warpgroup's; each consumer warpgroup's
+  // own (kConsumerBarrier + consumer); each consumer's turn to issue its multiplies (kTurnBarrier
+  // + consumer: it syncs, the other consumer arrives to hand the turn over).
+  constexpr int kProducerBarrier = 1;
+  constexpr int kConsumerBarrier = 2;
+  constexpr int kTurnBarrier = 4;
+
+  const PagedAttentionParams& p = args.base;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (shared_address(smem_raw) & 1023)) & 1023);
+  T* q_smem = reinterpret_cast<T*>(smem);
+  T* k_smem = q_smem + Traits::kQElements;
+  T* v_smem = k_smem + kStages * Traits::kTileElements;
+  auto& bars = *reinterpret_cast<StageBarriers<kStages>*>(smem + Traits::kTileBytes);
+  int32_t* id_ring = reinterpret_cast<int32_t*>(smem + Traits::kTileBytes + Traits::kBarrierBytes);
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int warpgroup = warp / 4;
+  const int seq_index = blockIdx.x / p.num_kv_heads;
+  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const int row_tile = gridDim.y - 1 - blockIdx.y;  // heavy (late, causal) row tiles first
+
+  const SequenceRows seq = prefill_sequence(p, args.query_start_loc, seq_index, args.max_query_len);
+  const int group = seq.group;
+  const int num_rows = seq.num_rows;
+  const int q_start = seq.q_start;
+  const int row0 = row_tile * kBlockRows;
+  if (row0 >= num_rows) return;
+
+  // Tiles from the one holding the first visible position to the range's end.
+  const KvRange range = block_kv_range(p, seq, row0, kBlockRows);
+  const int kv_begin = range.begin / kTileN * kTileN;
+  const int num_tiles = range.end > kv_begin ? (range.end - kv_begin + kTileN - 1) / kTileN : 0;
+
+  const KVTileSource source =
+      kv_tile_source<T>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end);
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&bars.k_full[s], Traits::kThreads);
+      mbarrier_init(&bars.v_full[s], Traits::kThreads);
+      mbarrier_init(&bars.k_empty[s], kConsumerWarps);
+      mbarrier_init(&bars.v_empty[s], kConsumerWarps);
+    }
+  }
+  // The producer's threads check the block's page ids once (the copies then only clamp them);
+  // the barrier ORs the result over the block and publishes the barriers' initialisation. The
+  // roles part after it: no block-wide barrier follows.
+  bool outside_pool = false;
+  if (warpgroup == 0) {
+    KVTileLoader<Traits, T> scan(source, k_smem, v_smem, tid, id_ring);
+    scan.prescan_page_ids();
+    outside_pool = scan.poisoned;
+  }
+  const bool poisoned = __syncthreads_or(outside_pool) || seq.poisoned;
+
+  if (warpgroup == 0) {
+    // ---- producer: K(t) and V(t) of every tile, each handed over on its own barrier ------------
+    release_registers<Traits::kProducerRegisters>();
+    KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid, id_ring);
+    int32_t next_id = loader.read_ring_id(0);
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int stage = tile % kStages;
+      const int free_parity = ((tile / kStages) & 1) ^ 1;
+      // The tile's page ids into the ring, the next tile's read (used an iteration later); the
+      // barrier publishes the ring slot, and every thread is past its reads of the slot's last
+      // use (kPageIdSlots >= 2 tiles back).
+      loader.put_ring_id(tile, next_id);
+      if (tile + 1 < num_tiles) next_id = loader.read_ring_id(tile + 1);
+      named_barrier_sync<128>(kProducerBarrier);
+      // Each copy hands its tile over on its own: the barrier counts this thread's arrival once
+      // its copies have landed, and the thread goes on issuing.
+      mbarrier_wait(&bars.k_empty[stage], free_parity);
+      loader.template issue_part<true, false>(tile, stage);
+      cp_async_arrive_on(&bars.k_full[stage]);
+      mbarrier_wait(&bars.v_empty[stage], free_parity);
+      loader.template issue_part<false, true>(tile, stage);
+      cp_async_arrive_on(&bars.v_full[stage]);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();  // no copy outlives its thread
+  } else {
+    // ---- consumers: 64 rows each --------------------------------------------------------------
+    claim_registers<Traits::kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const int ctid = tid - 128 * (1 + consumer);  // thread in the consumer warpgroup
+    const int cwarp = warp - 4 * (1 + consumer);  // warp in the consumer warpgroup
+    const int rows0 = consumer * 64;              // the consumer's first row in the block
+    const int own_barrier = kConsumerBarrier + consumer;
+    const int turn_barrier = kTurnBarrier + consumer;
+    const int other_turn_barrier = kTurnBarrier + (1 - consumer);
+
+    // Q: this consumer's 64 rows of the block's Q tile (column blocks of kBlockRows rows).
+    load_query_rows<T, 64, kChunks, 128>(
+        p, q_smem, ctid, q_start, row0 + rows0, num_rows, group, kv_head,
+        [&](int r, int ch) { return swizzled_128b_tile_offset<kBlockRows>(rows0 + r, ch); });
+    cp_async_commit();
+
+    const UnmaskedTiles unmasked = unmasked_tiles(p, seq, range, row0, kBlockRows);
+    const ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2);
+    const uint32_t q_rows = shared_address(q_smem) + rows0 * 128;
+
+    // ---- per-thread state: rows rows0 + 16 * cwarp + lane / 4 (+ 8) of the block ----------------
+    const int lane_row = lane / 4;
+    const int lane_col = (lane % 4) * 2;
+    const int thread_row = row0 + rows0 + cwarp * 16 + lane_row;
+    float o_acc[D / 2];  // register 4 dt + e: column 8 dt + lane_col + e % 2 of row half e / 2
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o_acc[i] = 0.f;
+    float row_max[2] = {kNegInf, kNegInf};
+    float row_sum[2] = {0.f, 0.f};
+    float s_acc[kTileN / 2];
+    uint32_t p_frag[kTileN / 16][4];  // P of the previous tile, the A operand of O += P V
+
+    cp_async_wait<0>();
+    fence_shared_for_async_proxy();
+    named_barrier_sync<128>(own_barrier);  // the consumer's Q rows are in shared memory
+
+    // S = Q K^T of one tile, issued (committed as one wgmma group), not waited for.
+    auto issue_scores = [&](int stage) {
+      const uint32_t k_tile = shared_address(k_smem + stage * Traits::kTileElements);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint32_t k_bytes = (ks % 4) * 32;  // k16 slice inside the 128-byte rows
+        const uint64_t desc_q =
+            swizzled_descriptor(q_rows + (ks / 4) * kBlockRows * 128 + k_bytes, 16, 1024);
+        const uint64_t desc_k =
+            swizzled_descriptor(k_tile + (ks / 4) * kTileN * 128 + k_bytes, 16, 1024);
+        WgmmaM64<T, kTileN>::both_from_shared(s_acc, desc_q, desc_k, ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+    };
+    // O += P V of one tile (P from the last softmax), issued, not waited for.
+    auto issue_pv = [&](int stage) {
+      const uint32_t v_tile = shared_address(v_smem + stage * Traits::kTileElements);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kTileN / 16; ++kk) {
+        // k = kv rows 16 kk .. 16 kk + 15: two 8-row atoms; n = d across the column blocks.
+        const uint64_t desc_v = swizzled_descriptor(v_tile + kk * 16 * 128, kTileN * 128, 1024);
+        WgmmaM64<T, D>::a_from_registers(o_acc, p_frag[kk], desc_v, 1);
+      }
+      wgmma_commit();
+    };
+    // A stage's copies have landed; cp.async writes through the generic proxy and wgmma reads
+    // through the async one, and the writing threads cannot fence copies that complete on their
+    // own, so each reading thread fences after it has acquired them.
+    auto wait_for_copies = [&](uint64_t* barrier, int parity) {
+      mbarrier_wait(barrier, parity);
+      fence_shared_for_async_proxy();
+    };
+    // One warp's share of releasing a stage to the producer (the barrier counts warps).
+    auto release = [&](uint64_t* barrier) {
+      if (lane == 0) mbarrier_arrive(barrier);
+    };
+    // The scores of tile `tile` (landed in s_acc) -> its weights in p_frag; returns the rescale of
+    // the output (alpha per row half).
+    auto softmax = [&](int tile, float (&alpha)[2]) {
+      const int pos0 = kv_begin + tile * kTileN;
+      transform_scores<kTileN / 2>(transform, [&](int i) -> float& { return s_acc[i]; });
+      if (unmasked.need_mask(pos0, kTileN)) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const RowVisibility seen = row_visibility(p, seq, range, thread_row + half * 8);
+#pragma unroll
+          for (int nt = 0; nt < kTileN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              if (!visible(seen, pos0 + nt * 8 + lane_col + e))
+                s_acc[nt * 4 + half * 2 + e] = kNegInf;
+            }
+          }
+        }
+      }
+      constexpr bool kFixedMax = kSoftcap == Softcap::kFixedMax;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        alpha[half] = online_softmax_row<kTileN / 8, kFixedMax>(
+            [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
+            row_sum[half], transform.exp_scale);
+      }
+    };
+    auto weights_to_p = [&]() {
+    // Two adjacent n8 blocks of S are the A operand of one k16 step.
+#pragma unroll
+      for (int kk = 0; kk < kTileN / 16; ++kk) {
+        p_frag[kk][0] = pack_pair<T>(s_acc[8 * kk + 0], s_acc[8 * kk + 1]);
+        p_frag[kk][1] = pack_pair<T>(s_acc[8 * kk + 2], s_acc[8 * kk + 3]);
+        p_frag[kk][2] = pack_pair<T>(s_acc[8 * kk + 4], s_acc[8 * kk + 5]);
+        p_frag[kk][3] = pack_pair<T>(s_acc[8 * kk + 6], s_acc[8 * kk + 7]);
+      }
+    };
+
+    if (num_tiles > 0) {
+      // The first consumer takes the first turn.
+      if (consumer == 1) named_barrier_arrive<256>(other_turn_barrier);
+      // Tile 0: its scores alone.
+      mbarrier_wait(&bars.k_full[0], 0);
+      named_barrier_sync<256>(turn_barrier);
+      issue_scores(0);
+      if (num_tiles > 1 || consumer == 0) named_barrier_arrive<256>(other_turn_barrier);
+      wgmma_wait<0>();
+      pin_registers(s_acc);
+      release(&bars.k_empty[0]);
+      float alpha[2];
+      softmax(0, alpha);
+      weights_to_p();
+
+      // Tile t: its scores and P V of tile t - 1 are issued together; the softmax of tile t runs
+      // while P V is in flight, the rescale of O waits for it.
+      for (int tile = 1; tile < num_tiles; ++tile) {
+        const int stage = tile % kStages;
+        const int prev = (tile - 1) % kStages;
+        mbarrier_wait(&bars.k_full[stage], (tile / kStages) & 1);
+        named_barrier_sync<256>(turn_barrier);
+        issue_scores(stage);
+        mbarrier_wait(&bars.v_full[prev], ((tile - 1) / kStages) & 1);
+        issue_pv(prev);
+        // The other consumer's turn; the second one's last turn is handed to nobody.
+        if (tile + 1 < num_tiles || consumer == 0) named_barrier_arrive<256>(other_turn_barrier);
+        wgmma_wait<1>();  // the scores (P V may still run)
+        pin_registers(s_acc);
+        release(&bars.k_empty[stage]);
+        softmax(tile, alpha);
+        wgmma_wait<0>();  // P V of tile - 1: O and P are free
+        pin_registers(o_acc);
+#pragma unroll
+        for (int kk = 0; kk < kTileN / 16; ++kk) pin_registers(p_frag[kk]);
+        release(&bars.v_empty[prev]);
+        if constexpr (kSoftcap != Softcap::kFixedMax) {
+#pragma unroll
+          for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
+        }
+        weights_to_p();
+      }
+      // P V of the last tile.
+      const int last = (num_tiles - 1) % kStages;
+      wait_for_copies(&bars.v_full[last], ((num_tiles - 1) / kStages) & 1);
+      issue_pv(last);
+      wgmma_wait<0>();
+      pin_registers(o_acc);
+#pragma unroll
+      for (int kk = 0; kk < kTileN / 16; ++kk) pin_registers(p_frag[kk]);
+      release(&bars.v_empty[last]);
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float s = row_sum[half];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      row_sum[half] = s;
+    }
+    T* out = static_cast<T*>(p.out);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = thread_row + half * 8;
+      if (row >= num_rows) continue;
+      const int token = q_start + row / group;
+      const int head = kv_head * group + row % group;
+      const FinishedRow finished =
+          finish_row(row_max[half] * transform.exp_scale, poison_sum(row_sum[half], poisoned),
+                     sink_log2(p, head));
+      const float inv = finished.inv;
+      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt)
+        *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+            pack_pair<T>(o_acc[dt * 4 + half * 2] * inv, o_acc[dt * 4 + half * 2 + 1] * inv);
+      if (lane_col == 0) store_lse(p, token, head, finished.lse_log2);
+    }
+  }  // consumers
+#else
+  __trap();  // built without sm_90a: the plan never chooses this (plan_paged_prefill)
+#endif
+}
+
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cudaStream_t stream) {
+  using Traits = PrefillWarpSpecializedTraits<D>;
+  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
+                                         /*fixed_max_allowed=*/true);
+  auto kernel = softcap == Softcap::kOff
+                    ? paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kOff>
+                : softcap == Softcap::kRunningMax
+                    ? paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kRunningMax>
+                    : paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kFixedMax>;
+  const int group = args.base.num_q_heads / args.base.num_kv_heads;
+  const int64_t rows = (int64_t)args.max_query_len * group;
+  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
+  dim3 grid;
+  const LaunchStatus prepared = prepare_row_tile_launch(
+      kernel, Traits::kSmemBytes, args.base, static_cast<int>(rows), Traits::kBlockRows, 1, &grid);
+  if (!prepared.ok()) return prepared;
+  kernel<<<grid, Traits::kBlockThreads, Traits::kSmemBytes, stream>>>(args);
+  return status_after_launch("paged_prefill_warp_specialized_kernel");
+}
+
+}  // namespace astrai::kernels
