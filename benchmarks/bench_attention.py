@@ -79,6 +79,7 @@ FULL = Shapes(
         (1, 8192, 32, 128),
         (1, 16384, 32, 128),
         (4, 4096, 16, 64),
+        (2, 4096, 16, 256),
     ),
     gqa_group=4,
     ragged=dict(batch=8, prefix=(0, 4096), chunk=(256, 2048)),
@@ -87,7 +88,7 @@ FULL = Shapes(
 QUICK = replace(
     FULL,
     decode_sweep_lengths=(512, 2048, 8192, 32768),
-    prefill=(FULL.prefill[0], FULL.prefill[1], FULL.prefill[4]),
+    prefill=(FULL.prefill[0], FULL.prefill[1], FULL.prefill[4], FULL.prefill[5]),
     prefill_sweep=(1024, 4096, 16384),
 )
 # The code paths at toy sizes, on the CPU too: not a measurement. D=64 is a head dim of the cuda
@@ -128,10 +129,10 @@ def decode_problem(
 
 
 def prefill_problem(
-    batch: int, seq: int, hq: int, hkv: int, head_dim: int, device
+    batch: int, seq: int, hq: int, hkv: int, head_dim: int, device, causal: bool = True
 ) -> Tuple[AttentionProblem, torch.Tensor]:
-    """A square causal prefill of `batch` sequences of `seq` tokens and its reference, float32
-    [T, Hq, D]."""
+    """A square prefill (causal, or every token seeing every key) of `batch` sequences of `seq`
+    tokens and its reference, float32 [T, Hq, D]."""
     tokens = batch * seq
     q_tokens = torch.randn(tokens, hq, head_dim, dtype=DTYPE, device=device)  # [T, Hq, D]
     k_tokens = torch.randn(tokens, hkv, head_dim, dtype=DTYPE, device=device)
@@ -141,14 +142,14 @@ def prefill_problem(
         return x.view(batch, seq, x.shape[1], head_dim).transpose(1, 2).contiguous()
 
     q, k, v = bhsd(q_tokens), bhsd(k_tokens), bhsd(v_tokens)
-    ref = harness.reference_attention(q, k, v, is_causal=True)
+    ref = harness.reference_attention(q, k, v, is_causal=causal)
     ref = ref.transpose(1, 2).reshape(tokens, hq, head_dim)
     problem = AttentionProblem(
         "prefill",
         q_tokens,
         [seq] * batch,
         [seq] * batch,
-        True,
+        causal,
         dense=(q, k, v),
         k_tokens=k_tokens,
         v_tokens=v_tokens,
@@ -294,11 +295,13 @@ def run_decode_shape(
 
 
 def run_prefill_shape(
-    bench: Bench, batch: int, seq: int, hq: int, hkv: int, head_dim: int
+    bench: Bench, batch: int, seq: int, hq: int, hkv: int, head_dim: int, causal: bool = True
 ) -> List[dict]:
-    problem, ref = prefill_problem(batch, seq, hq, hkv, head_dim, bench.runner.device)
-    flops = harness.causal_prefill_flops(batch, hq, seq, head_dim)
+    problem, ref = prefill_problem(batch, seq, hq, hkv, head_dim, bench.runner.device, causal)
+    # Non-causal: every (query, key) pair, twice the causal count.
+    flops = harness.causal_prefill_flops(batch, hq, seq, head_dim) * (1 if causal else 2)
     base = dict(kind="prefill", B=batch, S=seq, Hq=hq, Hkv=hkv, D=head_dim, flops=flops)
+    base["causal"] = causal
     rows = bench.run(problem, ref, base)
     finish_prefill_rows(rows, bench.runner.ceilings)
     return rows
@@ -465,6 +468,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "cuda_ps16_before with a baseline), e.g. cuda,torch_native,sdpa_cudnn",
     )
     parser.add_argument("--out", help="output folder (default: benchmarks/results)")
+    parser.add_argument(
+        "--non-causal",
+        action="store_true",
+        help="prefill rows without the causal mask (FLOPs: 4*B*H*S*S*D; no ragged rows)",
+    )
     parser.add_argument("--repeats", type=int, help="timed runs per peer (default 30; --quick 20)")
     parser.add_argument("--warmup", type=int, help="untimed runs first (default 5; --quick 3)")
     parser.add_argument(
@@ -575,6 +583,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             quick=args.quick,
             smoke=args.smoke,
             only=args.only,
+            non_causal=args.non_causal,
             peers=args.peers,
             repeats=args.repeats,
             warmup=args.warmup,
@@ -631,18 +640,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             run = partial(run_decode_shape, bench, b, length, hkv, hq, head_dim)
             measure("decode_sweep", ("decode", b, length, None, hq, hkv, head_dim), run)
     if args.only in (None, "prefill"):
+        causal = not args.non_causal
         for b, s, h, d in shapes.prefill:
             for kv_heads in (h // shapes.gqa_group, h):
-                run = partial(run_prefill_shape, bench, b, s, h, kv_heads, d)
+                run = partial(run_prefill_shape, bench, b, s, h, kv_heads, d, causal)
                 measure("prefill", ("prefill", b, None, s, h, kv_heads, d), run)
-        for kv_heads in (hq // shapes.gqa_group, hq):
+        for kv_heads in (hq // shapes.gqa_group, hq) if causal else ():  # ragged: causal only
             run = partial(
                 run_ragged_prefill, bench, hq, kv_heads, head_dim, args.seed, shapes.ragged
             )
             key = ("prefill", shapes.ragged["batch"], None, "ragged", hq, kv_heads, head_dim)
             measure("prefill", key, run)
         for s in shapes.prefill_sweep:
-            run = partial(run_prefill_shape, bench, 1, s, hq, hkv, head_dim)
+            run = partial(run_prefill_shape, bench, 1, s, hq, hkv, head_dim, causal)
             measure("prefill_sweep", ("prefill", 1, None, s, hq, hkv, head_dim), run)
     result["elapsed_s"] = time.time() - started
     if device.type == "cuda":

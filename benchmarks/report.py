@@ -251,7 +251,12 @@ def render_markdown(result: dict) -> str:
         lines += [
             "## Prefill: TFLOP/s (% of matmul)",
             "",
-            "Causal, bf16; FLOPs = 2*B*H*S*S*D (square); ragged rows count the visible "
+            (
+                "Causal, bf16; FLOPs = 2*B*H*S*S*D (square); "
+                if all(r.get("causal", True) for r in prefill_rows)
+                else "Non-causal, bf16; FLOPs = 4*B*H*S*S*D (square); "
+            )
+            + "ragged rows count the visible "
             "(query, key) pairs * 4*D*H. astrai and FlashInfer: one paged call (page 16, "
             "shuffled pool); SDPA: contiguous [B, H, S, D].",
             "",
