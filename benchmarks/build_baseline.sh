@@ -6,7 +6,8 @@
 #   bash benchmarks/build_baseline.sh 2be0c0e /tmp/baseline      # prints the library's path
 #   python3 benchmarks/bench_attention.py --baseline-lib /tmp/baseline/astrai/_C.abi3.so
 #
-# Only COMMIT's csrc/ and setup.py are taken (git archive); the library lands in OUTDIR/astrai/,
+# Only COMMIT's csrc/, scripts/ (the build reads its generators) and setup.py are taken (git
+# archive); the library lands in OUTDIR/astrai/,
 # and OUTDIR/BASELINE.json records the commit, which the benchmark writes into its results. The
 # build honours what setup.py reads (TORCH_CUDA_ARCH_LIST, MAX_JOBS, NVCC_THREADS,
 # ASTR_FORCE_CPU=1 for a CPU build).
@@ -40,16 +41,24 @@ else
   fi
   root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
   commit=$(git -C "$root" rev-parse --verify "$commit_arg^{commit}")
-  git -C "$root" archive "$commit" csrc setup.py | tar -x -C "$out"
+  git -C "$root" archive "$commit" csrc setup.py scripts | tar -x -C "$out"
 
   # The namespace appears in the schema block, in each kernel registration and in the operator
-  # names that C++ looks up ("astr::..."); C++ namespaces (astr::dispatch) stay as they are.
+  # names that C++ looks up ("astr::..."). The C++ namespace astrai is renamed too (astrai_$namespace,
+  # in the sources and in the generator of the instantiation files): both libraries live in one process, and a C++ symbol of the same name in both
+  # (an inline constexpr table, a plan function) resolves to the first library loaded, so the
+  # baseline would run this build's plan with its own kernels.
   find "$out/csrc" -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) \
     -exec sed -i \
       -e "s/TORCH_LIBRARY(astr,/TORCH_LIBRARY($namespace,/g" \
       -e "s/TORCH_LIBRARY_FRAGMENT(astr,/TORCH_LIBRARY_FRAGMENT($namespace,/g" \
       -e "s/TORCH_LIBRARY_IMPL(astr,/TORCH_LIBRARY_IMPL($namespace,/g" \
-      -e "s/\"astr::/\"$namespace::/g" {} +
+      -e "s/\"astr::/\"$namespace::/g" \
+      -e "s/\bnamespace astrai\b/namespace astrai_$namespace/g" \
+      -e "s/\bastrai::/astrai_$namespace::/g" {} +
+  find "$out/scripts" -type f -name '*.py' -exec sed -i \
+    -e "s/\bnamespace astrai\b/namespace astrai_$namespace/g" \
+    -e "s/\bastrai::/astrai_$namespace::/g" {} +
   left=$(grep -rnE 'TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(astr,|"astr::|"astr"' "$out/csrc" || true)
   if [ -n "$left" ]; then
     echo "$0: the namespace is still astr here (a form this script does not rename):" >&2
