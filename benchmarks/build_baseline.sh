@@ -44,10 +44,11 @@ else
   git -C "$root" archive "$commit" csrc setup.py scripts | tar -x -C "$out"
 
   # The namespace appears in the schema block, in each kernel registration and in the operator
-  # names that C++ looks up ("astr::..."). The C++ namespace astrai is renamed too (astrai_$namespace,
-  # in the sources and in the generator of the instantiation files): both libraries live in one process, and a C++ symbol of the same name in both
-  # (an inline constexpr table, a plan function) resolves to the first library loaded, so the
-  # baseline would run this build's plan with its own kernels.
+  # names that C++ looks up ("astr::..."). The C++ namespace astrai is renamed too
+  # (astrai_$namespace, in the sources and in the generator of the instantiation files): both
+  # libraries live in one process, and a C++ symbol of the same name in both (an inline constexpr
+  # table, a plan function) resolved to the first library loaded, so the baseline ran this
+  # build's plan with its own kernels.
   find "$out/csrc" -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) \
     -exec sed -i \
       -e "s/TORCH_LIBRARY(astr,/TORCH_LIBRARY($namespace,/g" \
