@@ -1,4 +1,4 @@
-"""Writes csrc/kernels/common/wgmma_calls.inc: the inline-PTX wgmma calls of the sm_90a prefill kernel.
+"""Writes csrc/kernels/common/wgmma_calls.inc: the inline-PTX wgmma calls of the sm_90a prefills.
 
 A wgmma names every accumulator register in its operand list (64 for m64n128), which is tedious
 and error-prone by hand, so this script spells them out. Run it after changing the shapes below;
