@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
       // The first consumer takes the first turn.
       if (consumer == 1) named_barrier_arrive<256>(other_turn_barrier);
       // Tile 0: its scores alone.
-      mbarrier_wait(&bars.k_full[0], 0);
+      wait_for_copies(&bars.k_full[0], 0);
       named_barrier_sync<256>(turn_barrier);
       issue_scores(0);
       if (num_tiles > 1 || consumer == 0) named_barrier_arrive<256>(other_turn_barrier);
@@ -321,10 +321,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
       for (int tile = 1; tile < num_tiles; ++tile) {
         const int stage = tile % kStages;
         const int prev = (tile - 1) % kStages;
-        mbarrier_wait(&bars.k_full[stage], (tile / kStages) & 1);
+        wait_for_copies(&bars.k_full[stage], (tile / kStages) & 1);
         named_barrier_sync<256>(turn_barrier);
         issue_scores(stage);
-        mbarrier_wait(&bars.v_full[prev], ((tile - 1) / kStages) & 1);
+        wait_for_copies(&bars.v_full[prev], ((tile - 1) / kStages) & 1);
         issue_pv(prev);
         // The other consumer's turn; the second one's last turn is handed to nobody.
         if (tile + 1 < num_tiles || consumer == 0) named_barrier_arrive<256>(other_turn_barrier);
