@@ -157,22 +157,11 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillTraits<D>;
-  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
-                                         /*fixed_max_allowed=*/true);
-  auto kernel = softcap == Softcap::kOff ? paged_prefill_kernel<Traits, T, Softcap::kOff>
-                : softcap == Softcap::kRunningMax
-                    ? paged_prefill_kernel<Traits, T, Softcap::kRunningMax>
-                    : paged_prefill_kernel<Traits, T, Softcap::kFixedMax>;
-  const int group = args.base.num_q_heads / args.base.num_kv_heads;
-  const int64_t rows = (int64_t)args.max_query_len * group;
-  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
-  dim3 grid;
-  const LaunchStatus prepared =
-      prepare_row_tile_launch(kernel, Traits::kBlockSmemBytes, args.base, static_cast<int>(rows),
-                              Traits::kBlockRows, 1, &grid);
-  if (!prepared.ok()) return prepared;
-  kernel<<<grid, Traits::kBlockThreads, Traits::kBlockSmemBytes, stream>>>(args);
-  return status_after_launch("paged_prefill_kernel");
+  return launch_prefill_row_tiles<T>(args, paged_prefill_kernel<Traits, T, Softcap::kOff>,
+                                     paged_prefill_kernel<Traits, T, Softcap::kRunningMax>,
+                                     paged_prefill_kernel<Traits, T, Softcap::kFixedMax>,
+                                     Traits::kBlockSmemBytes, Traits::kBlockThreads,
+                                     Traits::kBlockRows, stream, "paged_prefill_kernel");
 }
 
 }  // namespace astrai::kernels

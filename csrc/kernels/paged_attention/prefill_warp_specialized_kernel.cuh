@@ -29,7 +29,6 @@
 
 #include "../common/device_primitives.cuh"
 #include "../common/launch_status.h"
-#include "../common/online_softmax.cuh"
 #include "../common/warp_specialization.cuh"
 #include "../common/wgmma_primitives.cuh"
 #include "instantiations.h"
@@ -37,6 +36,7 @@
 #include "params.h"
 #include "query_rows.cuh"
 #include "variant.cuh"
+#include "wgmma_row_tile.cuh"
 
 namespace astrai::kernels {
 
@@ -225,32 +225,14 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     fence_shared_for_async_proxy();
     named_barrier_sync<128>(own_barrier);  // the consumer's Q rows are in shared memory
 
-    // S = Q K^T of one tile, issued (committed as one wgmma group), not waited for.
+    // S = Q K^T and O += P V of a stage's tiles (wgmma_row_tile.cuh), issued, not waited for.
     auto issue_scores = [&](int stage) {
-      const uint32_t k_tile = shared_address(k_smem + stage * Traits::kTileElements);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        const uint32_t k_bytes = (ks % 4) * 32;  // k16 slice inside the 128-byte rows
-        const uint64_t desc_q =
-            swizzled_descriptor(q_rows + (ks / 4) * kBlockRows * 128 + k_bytes, 16, 1024);
-        const uint64_t desc_k =
-            swizzled_descriptor(k_tile + (ks / 4) * kTileN * 128 + k_bytes, 16, 1024);
-        WgmmaM64<T, kTileN>::both_from_shared(s_acc, desc_q, desc_k, ks > 0 ? 1 : 0);
-      }
-      wgmma_commit();
+      astrai::kernels::issue_scores<T, D, kTileN, kBlockRows>(
+          s_acc, q_rows, shared_address(k_smem + stage * Traits::kTileElements));
     };
-    // O += P V of one tile (P from the last softmax), issued, not waited for.
     auto issue_pv = [&](int stage) {
-      const uint32_t v_tile = shared_address(v_smem + stage * Traits::kTileElements);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTileN / 16; ++kk) {
-        // k = kv rows 16 kk .. 16 kk + 15: two 8-row atoms; n = d across the column blocks.
-        const uint64_t desc_v = swizzled_descriptor(v_tile + kk * 16 * 128, kTileN * 128, 1024);
-        WgmmaM64<T, D>::a_from_registers(o_acc, p_frag[kk], desc_v, 1);
-      }
-      wgmma_commit();
+      issue_output_update<T, D, kTileN>(o_acc, p_frag,
+                                        shared_address(v_smem + stage * Traits::kTileElements));
     };
     // A stage's copies have landed; cp.async writes through the generic proxy and wgmma reads
     // through the async one, and the writing threads cannot fence copies that complete on their
@@ -263,42 +245,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     auto release = [&](uint64_t* barrier) {
       if (lane == 0) mbarrier_arrive(barrier);
     };
-    // The scores of tile `tile` (landed in s_acc) -> its weights in p_frag; returns the rescale of
-    // the output (alpha per row half).
+    // The scores of tile `tile` (landed in s_acc) -> its weights; alpha: the output's rescale.
     auto softmax = [&](int tile, float (&alpha)[2]) {
-      const int pos0 = kv_begin + tile * kTileN;
-      transform_scores<kTileN / 2>(transform, [&](int i) -> float& { return s_acc[i]; });
-      if (unmasked.need_mask(pos0, kTileN)) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const RowVisibility seen = row_visibility(p, seq, range, thread_row + half * 8);
-#pragma unroll
-          for (int nt = 0; nt < kTileN / 8; ++nt) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              if (!visible(seen, pos0 + nt * 8 + lane_col + e))
-                s_acc[nt * 4 + half * 2 + e] = kNegInf;
-            }
-          }
-        }
-      }
-      constexpr bool kFixedMax = kSoftcap == Softcap::kFixedMax;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        alpha[half] = online_softmax_row<kTileN / 8, kFixedMax>(
-            [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
-            row_sum[half], transform.exp_scale);
-      }
-    };
-    auto weights_to_p = [&]() {
-    // Two adjacent n8 blocks of S are the A operand of one k16 step.
-#pragma unroll
-      for (int kk = 0; kk < kTileN / 16; ++kk) {
-        p_frag[kk][0] = pack_pair<T>(s_acc[8 * kk + 0], s_acc[8 * kk + 1]);
-        p_frag[kk][1] = pack_pair<T>(s_acc[8 * kk + 2], s_acc[8 * kk + 3]);
-        p_frag[kk][2] = pack_pair<T>(s_acc[8 * kk + 4], s_acc[8 * kk + 5]);
-        p_frag[kk][3] = pack_pair<T>(s_acc[8 * kk + 6], s_acc[8 * kk + 7]);
-      }
+      softmax_tile<kTileN, kSoftcap>(s_acc, p, seq, range, unmasked, transform, thread_row,
+                                     lane_col, kv_begin + tile * kTileN, row_max, row_sum, alpha);
     };
 
     if (num_tiles > 0) {
@@ -314,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
       release(&bars.k_empty[0]);
       float alpha[2];
       softmax(0, alpha);
-      weights_to_p();
+      scores_to_a_fragments<T, kTileN>(s_acc, p_frag);
 
       // Tile t: its scores and P V of tile t - 1 are issued together; the softmax of tile t runs
       // while P V is in flight, the rescale of O waits for it.
@@ -341,7 +291,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
 #pragma unroll
           for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
         }
-        weights_to_p();
+        scores_to_a_fragments<T, kTileN>(s_acc, p_frag);
       }
       // P V of the last tile.
       const int last = (num_tiles - 1) % kStages;
@@ -354,31 +304,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
       release(&bars.v_empty[last]);
     }
 
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float s = row_sum[half];
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      row_sum[half] = s;
-    }
-    T* out = static_cast<T*>(p.out);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = thread_row + half * 8;
-      if (row >= num_rows) continue;
-      const int token = q_start + row / group;
-      const int head = kv_head * group + row % group;
-      const FinishedRow finished =
-          finish_row(row_max[half] * transform.exp_scale, poison_sum(row_sum[half], poisoned),
-                     sink_log2(p, head));
-      const float inv = finished.inv;
-      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
-        *reinterpret_cast<uint32_t*>(dst + dt * 8) =
-            pack_pair<T>(o_acc[dt * 4 + half * 2] * inv, o_acc[dt * 4 + half * 2 + 1] * inv);
-      if (lane_col == 0) store_lse(p, token, head, finished.lse_log2);
-    }
+    sum_rows_over_quad(row_sum);
+    store_finished_rows<T, D>(p, seq, kv_head, thread_row, lane_col, o_acc, row_max, row_sum,
+                              transform, poisoned);
   }  // consumers
 #else
   __trap();  // built without sm_90a: the plan never chooses this (plan_paged_prefill)
@@ -388,22 +316,11 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillWarpSpecializedTraits<D>;
-  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
-                                         /*fixed_max_allowed=*/true);
-  auto kernel = softcap == Softcap::kOff
-                    ? paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kOff>
-                : softcap == Softcap::kRunningMax
-                    ? paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kRunningMax>
-                    : paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kFixedMax>;
-  const int group = args.base.num_q_heads / args.base.num_kv_heads;
-  const int64_t rows = (int64_t)args.max_query_len * group;
-  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
-  dim3 grid;
-  const LaunchStatus prepared = prepare_row_tile_launch(
-      kernel, Traits::kSmemBytes, args.base, static_cast<int>(rows), Traits::kBlockRows, 1, &grid);
-  if (!prepared.ok()) return prepared;
-  kernel<<<grid, Traits::kBlockThreads, Traits::kSmemBytes, stream>>>(args);
-  return status_after_launch("paged_prefill_warp_specialized_kernel");
+  return launch_prefill_row_tiles<T>(
+      args, paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kOff>,
+      paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kRunningMax>,
+      paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kFixedMax>, Traits::kSmemBytes,
+      Traits::kBlockThreads, Traits::kBlockRows, stream, "paged_prefill_warp_specialized_kernel");
 }
 
 }  // namespace astrai::kernels

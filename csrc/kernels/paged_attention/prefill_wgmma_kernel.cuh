@@ -29,13 +29,13 @@
 
 #include "../common/device_primitives.cuh"
 #include "../common/launch_status.h"
-#include "../common/online_softmax.cuh"
 #include "../common/wgmma_primitives.cuh"
 #include "instantiations.h"
 #include "kv_tile_loader.cuh"
 #include "params.h"
 #include "query_rows.cuh"
 #include "variant.cuh"
+#include "wgmma_row_tile.cuh"
 
 namespace astrai::kernels {
 
@@ -141,21 +141,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // This warpgroup's 64 rows of the Q tile: 64 rows x 128 bytes into each column block.
   const uint32_t q_rows = shared_address(q_smem) + warpgroup * 64 * 128;
 
-  // S = Q K^T of one tile, issued (committed as one wgmma group), not waited for.
-  auto issue_scores = [&](float (&s)[kTileN / 2], int stage) {
-    const uint32_t k_tile = shared_address(k_smem + stage * Traits::kTileElements);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint32_t k_bytes = (ks % 4) * 32;  // k16 slice inside the 128-byte rows
-      const uint64_t desc_q =
-          swizzled_descriptor(q_rows + (ks / 4) * kBlockRows * 128 + k_bytes, 16, 1024);
-      const uint64_t desc_k =
-          swizzled_descriptor(k_tile + (ks / 4) * kTileN * 128 + k_bytes, 16, 1024);
-      WgmmaM64<T, kTileN>::both_from_shared(s, desc_q, desc_k, ks > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-  };
+  // The K tile of a stage, for S = Q K^T (wgmma_row_tile.cuh).
+  auto k_tile = [&](int stage) { return shared_address(k_smem + stage * Traits::kTileElements); };
 
   // Software pipeline: the scores of tile t + 1 are multiplied while the softmax of tile t runs
   // (tensor cores and the other units at once), then O += P V of tile t. Stages: tile t + 1 was
@@ -165,7 +152,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cp_async_wait<kStages - 2>();  // Q and tile 0
     fence_shared_for_async_proxy();
     __syncthreads();
-    issue_scores(s_acc, 0);
+    issue_scores<T, D, kTileN, kBlockRows>(s_acc, q_rows, k_tile(0));
     wgmma_wait<0>();
     pin_registers(s_acc);
   }
@@ -183,60 +170,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         loader.issue(ahead, ahead % kStages);
       }
       loader.commit();
-      issue_scores(s_next, (tile + 1) % kStages);
+      issue_scores<T, D, kTileN, kBlockRows>(s_next, q_rows, k_tile((tile + 1) % kStages));
     }
 
     const int pos0 = kv_begin + tile * kTileN;
-    transform_scores<kTileN / 2>(transform, [&](int i) -> float& { return s_acc[i]; });
-    if (unmasked.need_mask(pos0, kTileN)) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const RowVisibility seen =
-            row_visibility(p, seq, range, row0 + warp * 16 + lane_row + half * 8);
-#pragma unroll
-        for (int nt = 0; nt < kTileN / 8; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (!visible(seen, pos0 + nt * 8 + lane_col + e))
-              s_acc[nt * 4 + half * 2 + e] = kNegInf;
-          }
-        }
-      }
-    }
-
-    // Online softmax (online_softmax.cuh).
     constexpr bool kFixedMax = kSoftcap == Softcap::kFixedMax;
     float alpha[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      alpha[half] = online_softmax_row<kTileN / 8, kFixedMax>(
-          [&](int nt, int e) -> float& { return s_acc[nt * 4 + half * 2 + e]; }, row_max[half],
-          row_sum[half], transform.exp_scale);
-    }
+    softmax_tile<kTileN, kSoftcap>(s_acc, p, seq, range, unmasked, transform,
+                                   row0 + warp * 16 + lane_row, lane_col, pos0, row_max, row_sum,
+                                   alpha);
     if constexpr (!kFixedMax) {
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o_acc[i] *= alpha[(i % 4) / 2];
     }
 
-    // O += P V: two adjacent n8 blocks of S are the A operand of one k16 step.
+    // O += P V.
     uint32_t p_frag[kTileN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kTileN / 16; ++kk) {
-      p_frag[kk][0] = pack_pair<T>(s_acc[8 * kk + 0], s_acc[8 * kk + 1]);
-      p_frag[kk][1] = pack_pair<T>(s_acc[8 * kk + 2], s_acc[8 * kk + 3]);
-      p_frag[kk][2] = pack_pair<T>(s_acc[8 * kk + 4], s_acc[8 * kk + 5]);
-      p_frag[kk][3] = pack_pair<T>(s_acc[8 * kk + 6], s_acc[8 * kk + 7]);
-    }
+    scores_to_a_fragments<T, kTileN>(s_acc, p_frag);
     const uint32_t v_tile = shared_address(v_smem + (tile % kStages) * Traits::kTileElements);
     pin_registers(o_acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kTileN / 16; ++kk) {
-      // k = kv rows 16 kk .. 16 kk + 15: two 8-row atoms; n = d across the column blocks.
-      const uint64_t desc_v = swizzled_descriptor(v_tile + kk * 16 * 128, kTileN * 128, 1024);
-      WgmmaM64<T, D>::a_from_registers(o_acc, p_frag[kk], desc_v, 1);
-    }
-    wgmma_commit();
+    issue_output_update<T, D, kTileN>(o_acc, p_frag, v_tile);
     wgmma_wait<0>();  // the next tile's scores and this tile's P V
     pin_registers(o_acc);
 #pragma unroll
@@ -249,33 +202,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   cp_async_wait<0>();
 
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float s = row_sum[half];
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    row_sum[half] = s;
-  }
+  sum_rows_over_quad(row_sum);
   // Every warpgroup read every tile: a page outside the pool poisons all of the block's rows.
   const bool poisoned = __syncthreads_or(loader.poisoned) || seq.poisoned;
-  T* out = static_cast<T*>(p.out);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + warp * 16 + lane_row + half * 8;
-    if (row >= num_rows) continue;
-    const int token = q_start + row / group;
-    const int head = kv_head * group + row % group;
-    const FinishedRow finished =
-        finish_row(row_max[half] * transform.exp_scale, poison_sum(row_sum[half], poisoned),
-                   sink_log2(p, head));
-    const float inv = finished.inv;
-    T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-      *reinterpret_cast<uint32_t*>(dst + dt * 8) =
-          pack_pair<T>(o_acc[dt * 4 + half * 2] * inv, o_acc[dt * 4 + half * 2 + 1] * inv);
-    if (lane_col == 0) store_lse(p, token, head, finished.lse_log2);
-  }
+  store_finished_rows<T, D>(p, seq, kv_head, row0 + warp * 16 + lane_row, lane_col, o_acc, row_max,
+                            row_sum, transform, poisoned);
 #else
   __trap();  // built without sm_90a: the plan never chooses this (plan_paged_prefill)
 #endif
@@ -284,21 +215,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillWgmmaTraits<D>;
-  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
-                                         /*fixed_max_allowed=*/true);
-  auto kernel = softcap == Softcap::kOff ? paged_prefill_wgmma_kernel<Traits, T, Softcap::kOff>
-                : softcap == Softcap::kRunningMax
-                    ? paged_prefill_wgmma_kernel<Traits, T, Softcap::kRunningMax>
-                    : paged_prefill_wgmma_kernel<Traits, T, Softcap::kFixedMax>;
-  const int group = args.base.num_q_heads / args.base.num_kv_heads;
-  const int64_t rows = (int64_t)args.max_query_len * group;
-  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
-  dim3 grid;
-  const LaunchStatus prepared = prepare_row_tile_launch(
-      kernel, Traits::kSmemBytes, args.base, static_cast<int>(rows), Traits::kBlockRows, 1, &grid);
-  if (!prepared.ok()) return prepared;
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(args);
-  return status_after_launch("paged_prefill_wgmma_kernel");
+  return launch_prefill_row_tiles<T>(args, paged_prefill_wgmma_kernel<Traits, T, Softcap::kOff>,
+                                     paged_prefill_wgmma_kernel<Traits, T, Softcap::kRunningMax>,
+                                     paged_prefill_wgmma_kernel<Traits, T, Softcap::kFixedMax>,
+                                     Traits::kSmemBytes, Traits::kThreads, Traits::kBlockRows,
+                                     stream, "paged_prefill_wgmma_kernel");
 }
 
 }  // namespace astrai::kernels

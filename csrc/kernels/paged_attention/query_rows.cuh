@@ -7,10 +7,13 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "../common/device_primitives.cuh"
 #include "../common/launch_status.h"
+#include "instantiations.h"
 #include "params.h"
+#include "variant.cuh"
 
 namespace astrai::kernels {
 
@@ -103,6 +106,30 @@ LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedA
   *grid = dim3(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
                static_cast<unsigned>(grid_z));
   return {};
+}
+
+// Host: launches a prefill kernel compiled per softcap kind, the one the call needs (variant.cuh,
+// softcap_kernel), over row tiles of block_rows packed rows (max_query_len x group rows per
+// sequence): every prefill's launcher.
+template <typename T, typename Kernel>
+LaunchStatus launch_prefill_row_tiles(const PagedKernelArgs& args, Kernel softcap_off,
+                                      Kernel softcap_running_max, Kernel softcap_fixed_max,
+                                      int smem_bytes, int threads, int block_rows,
+                                      cudaStream_t stream, const char* name) {
+  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
+                                         /*fixed_max_allowed=*/true);
+  const Kernel kernel = softcap == Softcap::kOff          ? softcap_off
+                        : softcap == Softcap::kRunningMax ? softcap_running_max
+                                                          : softcap_fixed_max;
+  const int group = args.base.num_q_heads / args.base.num_kv_heads;
+  const int64_t rows = (int64_t)args.max_query_len * group;
+  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
+  dim3 grid;
+  const LaunchStatus prepared = prepare_row_tile_launch(
+      kernel, smem_bytes, args.base, static_cast<int>(rows), block_rows, 1, &grid);
+  if (!prepared.ok()) return prepared;
+  kernel<<<grid, threads, smem_bytes, stream>>>(args);
+  return status_after_launch(name);
 }
 
 }  // namespace astrai::kernels
