@@ -6,8 +6,9 @@
 //                       starts at kv position kv_begin + t * tile_step)
 //   fetch_ids(tile)     Traits::kPageIdRing instead: start copying the tile's page ids into its
 //                       slot of a ring in shared memory, landed with the next commit's step
-//   read_ring_id(tile), put_ring_id(tile, id)
-//                       the ring filled by plain loads and stores (a warp-specialised producer)
+//   read_row_page(tile), put_row_offsets(ring, tile, page), issue_rows(ring, tile, stage)
+//                       a warp-specialised producer's ring of row offsets instead: one thread
+//                       per row computes the row's K and V addresses, each copy reads its own
 //   *_at(...)           fetch_ids and issue for another (sequence, kv head) and ring slot (the
 //                       persistent decode, paged_decode_persistent_kernel.cuh)
 //   issue(tile, stage)  start the copies of the tile into the stage (pages from the last lookup)
@@ -209,28 +210,62 @@ struct KVTileLoader {
     }
   }
 
-  // The ring filled by plain loads and stores instead of fetch_ids (a warp-specialised producer,
-  // whose own barrier publishes the stores): this thread's page id of a tile (0 for ids past
-  // lookup_end, or for a thread with no id), read a tile ahead into a register, and its store
-  // into the tile's slot.
-  // Tiles of any width (the ring's ids of a tile start at its first position's page).
-  __device__ __forceinline__ int32_t read_ring_id(int tile) const {
-    static_assert(kIdRing, "read_ring_id: the page-id ring");
-    const int log2_page = src.log2_page_size;
-    const int pos0 = src.kv_begin + tile * src.tile_step;
-    const int first = pos0 >> log2_page;
-    const int count = ((pos0 + kTileN - 1) >> log2_page) - first + 1;
-    const int ids_end = (src.lookup_end + (1 << log2_page) - 1) >> log2_page;
-    return thread < count && first + thread < ids_end ? src.block_table[first + thread] : 0;
-  }
-  __device__ __forceinline__ void put_ring_id(int tile, int32_t id) {
-    if (thread < kTileN) id_ring[(tile & (kIdSlots - 1)) * kTileN + thread] = id;
-  }
   // The ring entry of a tile's row: tiles of a power-of-two width start at multiples of it, and
   // hold whole pages or lie in one.
   __device__ __forceinline__ int ring_index(int pos0, int row) const {
     if constexpr (is_power_of_two(kTileN)) return row >> src.log2_page_size;
     return ((pos0 + row) >> src.log2_page_size) - (pos0 >> src.log2_page_size);
+  }
+
+  // The row ring (a warp-specialised producer): instead of page ids, each row of a tile has its
+  // K and V byte offsets from the head in shared memory (-1 past kv_end), computed once per row by
+  // one thread, so that a copy costs a shared load and an add, not a page-id load, a clamp and
+  // two wide multiplies (per copy they made the producer issue-bound: the consumers stalled on
+  // its tiles, lab/NOTES.md). Ring: [slots][2][kTileN] int64, tile t in slot t % slots; a slot is
+  // rewritten two tiles later at the earliest, after the producer's barrier.
+  //
+  // This thread's row's page id, read a tile ahead (0 past lookup_end or for threads past kTileN).
+  __device__ __forceinline__ int32_t read_row_page(int tile) const {
+    const int pos = src.kv_begin + tile * src.tile_step + thread;
+    return thread < kTileN && pos < src.lookup_end ? src.block_table[pos >> src.log2_page_size] : 0;
+  }
+  template <int kSlots>
+  __device__ __forceinline__ void put_row_offsets(int64_t* ring, int tile, int32_t page) const {
+    if (thread >= kTileN) return;
+    const int pos = src.kv_begin + tile * src.tile_step + thread;
+    int64_t* slot_rows = ring + (tile % kSlots) * 2 * kTileN;
+    int64_t k_offset = -1, v_offset = -1;
+    if (pos < src.kv_end) {
+      // An id outside the pool is clamped into it (prescan_page_ids has poisoned the rows).
+      const int64_t clamped =
+          min(static_cast<unsigned>(page), static_cast<unsigned>(src.num_pages) - 1u);
+      const int slot = pos & ((1 << src.log2_page_size) - 1);
+      k_offset = clamped * src.k_page_bytes + static_cast<int64_t>(slot) * src.k_slot_bytes;
+      v_offset = clamped * src.v_page_bytes + static_cast<int64_t>(slot) * src.v_slot_bytes;
+    }
+    slot_rows[thread] = k_offset;
+    slot_rows[kTileN + thread] = v_offset;
+  }
+  template <int kSlots, bool kCopyK, bool kCopyV>
+  __device__ __forceinline__ void issue_rows(const int64_t* ring, int tile, int stage) const {
+    static_assert(kOneColumn && Traits::kWgmmaTiles,
+                  "row ring: one column per thread, wgmma tiles");
+    const int64_t* slot_rows = ring + (tile % kSlots) * 2 * kTileN;
+    KV* k_dst = k_smem + stage * Traits::kTileElements;
+    KV* v_dst = v_smem + stage * Traits::kTileElements;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int row = copy_row(i);
+      const int offset = swizzled_128b_tile_offset<kTileN>(row, chunk);
+      if constexpr (kCopyK) {
+        const int64_t k_row = slot_rows[row];
+        cp_async_16(shared_address(k_dst + offset), k_thread + (k_row < 0 ? 0 : k_row), k_row >= 0);
+      }
+      if constexpr (kCopyV) {
+        const int64_t v_row = slot_rows[kTileN + row];
+        cp_async_16(shared_address(v_dst + offset), v_thread + (v_row < 0 ? 0 : v_row), v_row >= 0);
+      }
+    }
   }
 
   // This thread's column of a (sequence, kv head)'s rows: head + its 16-byte chunk (the row

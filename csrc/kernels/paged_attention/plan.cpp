@@ -294,8 +294,9 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 // 1.06-1.52x (B=2 S=4096 GQA 343 vs 300, ragged 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not
 // (B=4 S=4096: 235 vs 252). The warp-specialised one (a producer warpgroup, two consumers taking
 // turns): at D = 64 1.18-1.20x the mma.sync kernel (B=4 S=4096 309 vs 262); at D = 128 0.91-0.96x
-// the first wgmma kernel (B=2 S=4096 GQA 343 vs 371, ragged 346 vs 378): its consumers fit 80-wide
-// tiles under their register cap, where the first kernel runs 96-wide ones (lab/NOTES.md). So
+// the first wgmma kernel (B=2 S=4096 GQA 343 vs 371, ragged 346 vs 378), and still 0.92-0.95x with
+// 96-wide tiles and its producer's row ring (B=2 S=4096 351 vs 371, ragged 353 vs 377;
+// lab/NOTES.md). So
 // config.h compiles the warp-specialised kernel at D = 64 and 256, the first at D = 128, and the
 // plan runs whichever is compiled.
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device,

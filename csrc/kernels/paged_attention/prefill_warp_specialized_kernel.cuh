@@ -51,8 +51,9 @@ struct PrefillWarpSpecializedTraits {
   static constexpr int kBlockRows = kConsumers * 64;
   // kv positions per tile (S's N): the O accumulators (D / 2 registers), one tile's scores
   // (kTileN / 2) and the previous tile's P (kTileN / 4) live at once under the consumers' cap.
-  // (D = 128, 56 / 224 registers: 96-wide tiles spilled 156 bytes and ran 0.74-0.82x as fast,
-  // 128-wide ones with 24 / 240 registers spilled 420 and ran 0.65-0.81x; lab/NOTES.md.)
+  // D = 128 is not compiled (config.h): against the first wgmma kernel, 80-wide tiles ran
+  // 0.91-0.96x; 96-wide ones with 32 / 232 registers and no spills 0.82-0.90x, and with the row
+  // ring below 0.92-0.95x (lab/NOTES.md, versions 21 and 22).
   static constexpr int kTileN = kHeadDim == 64 ? 128 : kHeadDim == 256 ? 64 : 80;
   static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? 3 : 2;
   // Registers per thread: the block starts with the cap of __launch_bounds__ (65536 / 384, in
@@ -67,18 +68,21 @@ struct PrefillWarpSpecializedTraits {
       kElementBytes;  // FP8 pages reach it dequantized (dequantize_pages.cu)
   static constexpr int kKVChunksPerRow = kChunksPerRow;
   static constexpr bool kWgmmaTiles = true;
-  // Page ids from a ring in shared memory, a tile's ids read a tile ahead (kv_tile_loader.cuh):
-  // ids in registers, 16 a tile per thread, made the producer spill.
-  static constexpr bool kPageIdRing = true;
-  static constexpr int kPageIdSlots = kStages == 2 ? 4 : 8;
+  // The producer reads its rows' addresses from a ring of row offsets (kRowRingBytes below), not
+  // the loader's page-id ring or page ids in registers (16 a tile per thread made it spill).
+  static constexpr bool kPageIdRing = false;
+  static constexpr int kPageIdSlots = 0;
   static constexpr int kTileElements = kTileN * kHeadDim;
   static constexpr int kQElements = kBlockRows * kHeadDim;
   static constexpr int kTileBytes = (kQElements + 2 * kStages * kTileElements) * kElementBytes;
   // The barriers after the tiles: full and empty, for K and V, per stage.
   static constexpr int kBarrierBytes = 4 * kStages * 8;
-  static constexpr int kIdRingBytes = kPageIdSlots * kTileN * 4;
+  // The producer's row ring (kv_tile_loader.cuh: put_row_offsets): K and V byte offsets of each
+  // row of a tile, 2 tiles.
+  static constexpr int kRowRingSlots = 2;
+  static constexpr int kRowRingBytes = kRowRingSlots * 2 * kTileN * 8;
   // + 1024: the tiles start on the first 1024-byte boundary of the dynamic shared memory.
-  static constexpr int kSmemBytes = kTileBytes + kBarrierBytes + kIdRingBytes + 1024;
+  static constexpr int kSmemBytes = kTileBytes + kBarrierBytes + kRowRingBytes + 1024;
   static_assert(kHeadDim % 64 == 0, "column blocks of 64 elements");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <=
@@ -119,7 +123,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
   T* k_smem = q_smem + Traits::kQElements;
   T* v_smem = k_smem + kStages * Traits::kTileElements;
   auto& bars = *reinterpret_cast<StageBarriers<kStages>*>(smem + Traits::kTileBytes);
-  int32_t* id_ring = reinterpret_cast<int32_t*>(smem + Traits::kTileBytes + Traits::kBarrierBytes);
+  int64_t* row_ring = reinterpret_cast<int64_t*>(smem + Traits::kTileBytes + Traits::kBarrierBytes);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -157,7 +161,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
   // roles part after it: no block-wide barrier follows.
   bool outside_pool = false;
   if (warpgroup == 0) {
-    KVTileLoader<Traits, T> scan(source, k_smem, v_smem, tid, id_ring);
+    KVTileLoader<Traits, T> scan(source, k_smem, v_smem, tid);
     scan.prescan_page_ids();
     outside_pool = scan.poisoned;
   }
@@ -166,24 +170,25 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
   if (warpgroup == 0) {
     // ---- producer: K(t) and V(t) of every tile, each handed over on its own barrier ------------
     release_registers<Traits::kProducerRegisters>();
-    KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid, id_ring);
-    int32_t next_id = loader.read_ring_id(0);
+    KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
+    constexpr int kSlots = Traits::kRowRingSlots;
+    int32_t next_page = loader.read_row_page(0);
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int stage = tile % kStages;
       const int free_parity = ((tile / kStages) & 1) ^ 1;
-      // The tile's page ids into the ring, the next tile's read (used an iteration later); the
-      // barrier publishes the ring slot, and every thread is past its reads of the slot's last
-      // use (kPageIdSlots >= 2 tiles back).
-      loader.put_ring_id(tile, next_id);
-      if (tile + 1 < num_tiles) next_id = loader.read_ring_id(tile + 1);
+      // The tile's row offsets into the ring, the next tile's page ids read (used an iteration
+      // later); the barrier publishes the ring slot, and every thread is past its reads of the
+      // slot's last use (two tiles back).
+      loader.template put_row_offsets<kSlots>(row_ring, tile, next_page);
+      if (tile + 1 < num_tiles) next_page = loader.read_row_page(tile + 1);
       named_barrier_sync<128>(kProducerBarrier);
       // Each copy hands its tile over on its own: the barrier counts this thread's arrival once
       // its copies have landed, and the thread goes on issuing.
       mbarrier_wait(&bars.k_empty[stage], free_parity);
-      loader.template issue_part<true, false>(tile, stage);
+      loader.template issue_rows<kSlots, true, false>(row_ring, tile, stage);
       cp_async_arrive_on(&bars.k_full[stage]);
       mbarrier_wait(&bars.v_empty[stage], free_parity);
-      loader.template issue_part<false, true>(tile, stage);
+      loader.template issue_rows<kSlots, false, true>(row_ring, tile, stage);
       cp_async_arrive_on(&bars.v_full[stage]);
     }
     cp_async_commit();
