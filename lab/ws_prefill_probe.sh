@@ -1,10 +1,11 @@
 #!/bin/bash
 # One H200 call for the warp-specialised prefill (issue 32): its tests (every kernel file's prefill
-# tests, or with FULL=1 every GPU test), compute-sanitizer, then bench_attention's prefill rows
-# against the baseline library and cuDNN, non-causal rows, and the mma.sync prefill forced.
+# tests, or with FULL=1 every GPU test), compute-sanitizer, then the prefill kernels of the build
+# against each other (lab/prefill_kernel_ab.py: kernel tunings of this one library, FlashInfer fa3
+# when .peers/flashinfer is carried, cuDNN), all interleaved per shape.
 #   $LIB/_C.abi3.so (default .devbuild/new)  the library under test
-#   .devbuild/base7e/_C.abi3.so               the baseline (7e8cbda, namespace astr_old)
-# Env: TESTS=0, SANITIZER=0, BENCH=0 skip a phase.
+# Env: TESTS=0, SANITIZER=0, AB=0 skip a phase; RECORD=1 adds bench_attention's records; AB_ARGS for prefill_kernel_ab.py; FI_WARM=64,256
+# compiles FlashInfer's fa3 modules for those head dims while the tests run.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=$OUT/r
@@ -12,6 +13,11 @@ mkdir -p "$R"
 exec > >(tee "$OUT/session.log") 2>&1
 pack() { tar -czf "$OUT/results.tar.gz" -C "$R" .; }
 LIB=${LIB:-.devbuild/new}
+if [ -d .peers/flashinfer ]; then  # FlashInfer (README in ../shared/peers/flashinfer)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fisite \
+    .peers/flashinfer/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/fisite \
+    FLASHINFER_WORKSPACE_BASE=/tmp/fi_cache MAX_JOBS=16
+fi
 cp $LIB/_C.abi3.so astrai/_C.abi3.so && cat $LIB/REV
 python3 -c "import astrai.extension as e; print(e.ops.BUILD_INFO)" | head -3
 # A hang (a barrier that never completes) must not eat the call: one small test first.
@@ -21,6 +27,10 @@ rc=$?
 tail -2 "$R/t_smoke.log"
 if [ $rc != 0 ]; then echo "smoke failed (rc=$rc): stopping"; pack; exit 1; fi
 PIDS=""
+if [ -n "${FI_WARM:-}" ]; then  # FlashInfer's JIT modules compile while the tests run
+  (timeout 280 python3 lab/flashinfer_warm.py $FI_WARM >"$R/fi_warm.log" 2>&1) &
+  FI_PID=$!
+fi
 if [ "${TESTS:-1}" = 1 ]; then
   PYTEST="timeout 170 python3 -m pytest -q -p no:cacheprovider -rfE -n 5"
   if [ "${FULL:-0}" = 1 ]; then
@@ -58,15 +68,18 @@ if [ "${SANITIZER:-1}" = 1 ]; then
   echo "racecheck rc=$?"; tail -2 "$R/racecheck.log"
 fi
 pack
-if [ "${BENCH:-1}" = 1 ]; then
-  B="timeout 100 python3 benchmarks/bench_attention.py --quick --only prefill --repeats 20"
-  $B --peers cuda_ps16,cuda_ps16_before,sdpa_cudnn --out "$R/bench" \
-    --baseline-lib .devbuild/base7e/_C.abi3.so --baseline-namespace astr_old >"$R/bench.log" 2>&1
-  grep -E "^\| " "$R/bench.log" | head -40
-  $B --non-causal --peers cuda_ps16,sdpa_cudnn --out "$R/bench_noncausal" >"$R/bench_noncausal.log" 2>&1
-  grep -E "^\| " "$R/bench_noncausal.log" | head -16
-  ASTR_KERNEL_TUNING=prefill_kernel=mma_sync $B --peers cuda_ps16 --out "$R/bench_mma_sync" \
-    >"$R/bench_mma_sync.log" 2>&1
-  grep -E "^\| " "$R/bench_mma_sync.log" | head -16
+if [ -n "${FI_WARM:-}" ]; then wait $FI_PID; cat "$R/fi_warm.log" | tail -4; fi
+if [ "${AB:-1}" = 1 ]; then  # kernels of this build against each other and the peers, interleaved
+  timeout ${AB_TIMEOUT:-200} python3 lab/prefill_kernel_ab.py "$R/ab.json" ${AB_ARGS:-} 2>&1 | tee "$R/ab.log" \
+    | grep -v Warning
 fi
 pack
+if [ "${RECORD:-0}" = 1 ]; then  # the records: bench_attention's prefill rows beside FlashInfer and cuDNN
+  B="timeout 150 python3 benchmarks/bench_attention.py --quick --only prefill --repeats 20"
+  $B --peers cuda_ps16,flashinfer_fa3,sdpa_cudnn --out "$R/record" >"$R/record.log" 2>&1
+  grep -E "^\| " "$R/record.log" | head -40
+  $B --non-causal --peers cuda_ps16,flashinfer_fa3,sdpa_cudnn --out "$R/record_noncausal" \
+    >"$R/record_noncausal.log" 2>&1
+  grep -E "^\| " "$R/record_noncausal.log" | head -20
+  pack
+fi
