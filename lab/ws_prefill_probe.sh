@@ -4,8 +4,10 @@
 # against each other (lab/prefill_kernel_ab.py: kernel tunings of this one library, FlashInfer fa3
 # when .peers/flashinfer is carried, cuDNN), all interleaved per shape.
 #   $LIB/_C.abi3.so (default .devbuild/new)  the library under test
-# Env: TESTS=0, SANITIZER=0, AB=0 skip a phase; RECORD=1 adds bench_attention's records; AB_ARGS for prefill_kernel_ab.py; FI_WARM=64,256
-# compiles FlashInfer's fa3 modules for those head dims while the tests run.
+# Env: TESTS=0, SANITIZER=0, AB=0 skip a phase; AB_ARGS for prefill_kernel_ab.py; FI_WARM=64,256
+# compiles FlashInfer's fa3 modules for those head dims while the tests run; RECORD=1 adds
+# bench_attention's records; BASE=1 the after / before run against .devbuild/base/_C.abi3.so
+# (benchmarks/build_baseline.sh, namespace astr_old).
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=$OUT/r
@@ -81,5 +83,12 @@ if [ "${RECORD:-0}" = 1 ]; then  # the records: bench_attention's prefill rows b
   $B --non-causal --peers cuda_ps16,flashinfer_fa3,sdpa_cudnn --out "$R/record_noncausal" \
     >"$R/record_noncausal.log" 2>&1
   grep -E "^\| " "$R/record_noncausal.log" | head -20
+  pack
+fi
+if [ -f .devbuild/base/_C.abi3.so ] && [ "${BASE:-0}" = 1 ]; then  # after / before, one process
+  timeout 200 python3 benchmarks/bench_attention.py --quick --only prefill --repeats 20 \
+    --peers cuda_ps16,cuda_ps16_before,sdpa_cudnn --baseline-lib .devbuild/base/_C.abi3.so \
+    --baseline-namespace astr_old --out "$R/ab_base" >"$R/ab_base.log" 2>&1
+  grep -E "^\| " "$R/ab_base.log" | head -50
   pack
 fi
