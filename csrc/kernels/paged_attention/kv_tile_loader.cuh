@@ -210,13 +210,6 @@ struct KVTileLoader {
     }
   }
 
-  // The ring entry of a tile's row: tiles of a power-of-two width start at multiples of it, and
-  // hold whole pages or lie in one.
-  __device__ __forceinline__ int ring_index(int pos0, int row) const {
-    if constexpr (is_power_of_two(kTileN)) return row >> src.log2_page_size;
-    return ((pos0 + row) >> src.log2_page_size) - (pos0 >> src.log2_page_size);
-  }
-
   // The row ring (a warp-specialised producer): instead of page ids, each row of a tile has its
   // K and V byte offsets from the head in shared memory (-1 past kv_end), computed once per row by
   // one thread, so that a copy costs a shared load and an add, not a page-id load, a clamp and
@@ -246,25 +239,21 @@ struct KVTileLoader {
     slot_rows[thread] = k_offset;
     slot_rows[kTileN + thread] = v_offset;
   }
-  template <int kSlots, bool kCopyK, bool kCopyV>
+  // The copies of a tile's K (kV false) or V rows into the stage (a warp-specialised kernel hands
+  // each to its consumers on its own barrier).
+  template <int kSlots, bool kV>
   __device__ __forceinline__ void issue_rows(const int64_t* ring, int tile, int stage) const {
     static_assert(kOneColumn && Traits::kWgmmaTiles,
                   "row ring: one column per thread, wgmma tiles");
-    const int64_t* slot_rows = ring + (tile % kSlots) * 2 * kTileN;
-    KV* k_dst = k_smem + stage * Traits::kTileElements;
-    KV* v_dst = v_smem + stage * Traits::kTileElements;
+    const int64_t* rows = ring + (tile % kSlots) * 2 * kTileN + (kV ? kTileN : 0);
+    KV* dst = (kV ? v_smem : k_smem) + stage * Traits::kTileElements;
+    const char* column = kV ? v_thread : k_thread;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int row = copy_row(i);
-      const int offset = swizzled_128b_tile_offset<kTileN>(row, chunk);
-      if constexpr (kCopyK) {
-        const int64_t k_row = slot_rows[row];
-        cp_async_16(shared_address(k_dst + offset), k_thread + (k_row < 0 ? 0 : k_row), k_row >= 0);
-      }
-      if constexpr (kCopyV) {
-        const int64_t v_row = slot_rows[kTileN + row];
-        cp_async_16(shared_address(v_dst + offset), v_thread + (v_row < 0 ? 0 : v_row), v_row >= 0);
-      }
+      const int64_t offset = rows[row];
+      cp_async_16(shared_address(dst + swizzled_128b_tile_offset<kTileN>(row, chunk)),
+                  column + (offset < 0 ? 0 : offset), offset >= 0);
     }
   }
 
@@ -277,14 +266,8 @@ struct KVTileLoader {
   __device__ __forceinline__ void issue(int tile, int stage) {
     issue_at(k_thread, v_thread, src.kv_end, tile, stage, tile);
   }
-  // K or V alone (a warp-specialised kernel hands each to its consumers on its own barrier).
-  template <bool kCopyK, bool kCopyV>
-  __device__ __forceinline__ void issue_part(int tile, int stage) {
-    issue_at<kCopyK, kCopyV>(k_thread, v_thread, src.kv_end, tile, stage, tile);
-  }
   // The same for another (sequence, kv head): its columns (thread_column) and kv end, page ids
   // from the ring slot of tile slot_tile.
-  template <bool kCopyK = true, bool kCopyV = true>
   __device__ __forceinline__ void issue_at(const char* k_column, const char* v_column, int kv_end,
                                            int tile, int stage, int slot_tile) {
     const int pos0 = src.kv_begin + tile * src.tile_step;
@@ -302,7 +285,7 @@ struct KVTileLoader {
       int page = 0;
       if (valid) {
         if constexpr (kIdRing)
-          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + ring_index(pos0, row)];
+          page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + (row >> src.log2_page_size)];
         else
           page = pages[i];
         page = static_cast<int>(
@@ -321,8 +304,8 @@ struct KVTileLoader {
         offset = swizzled_128b_tile_offset<kTileN>(row, column);
       else
         offset = tile_offset<D, Traits::kKVSwizzle, Traits::kKVChunkElements>(row, column);
-      if constexpr (kCopyK) cp_async_16(shared_address(k_dst + offset), k_src, valid);
-      if constexpr (kCopyV) cp_async_16(shared_address(v_dst + offset), v_src, valid);
+      cp_async_16(shared_address(k_dst + offset), k_src, valid);
+      cp_async_16(shared_address(v_dst + offset), v_src, valid);
     }
   }
 

@@ -185,10 +185,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
       // Each copy hands its tile over on its own: the barrier counts this thread's arrival once
       // its copies have landed, and the thread goes on issuing.
       mbarrier_wait(&bars.k_empty[stage], free_parity);
-      loader.template issue_rows<kSlots, true, false>(row_ring, tile, stage);
+      loader.template issue_rows<kSlots, false>(row_ring, tile, stage);
       cp_async_arrive_on(&bars.k_full[stage]);
       mbarrier_wait(&bars.v_empty[stage], free_parity);
-      loader.template issue_rows<kSlots, false, true>(row_ring, tile, stage);
+      loader.template issue_rows<kSlots, true>(row_ring, tile, stage);
       cp_async_arrive_on(&bars.v_full[stage]);
     }
     cp_async_commit();
