@@ -76,9 +76,9 @@ def read_config(path: str = CONFIG):
     return head_dims, q_types, kv_kinds
 
 
-# The kv kinds other than q's own that a family reads (config.h: ASTRAI_PAGED_KV_KINDS says why
-# only the decode forms read FP8).
-FP8_FAMILIES = ("paged_decode",)
+# The families that read an FP8 cache themselves (config.h: ASTRAI_PAGED_KV_KINDS; plan.h:
+# prefill_reads_fp8).
+FP8_FAMILIES = ("paged_decode", "paged_prefill_wgmma")
 
 FAMILIES = {
     # family: (header, launch template, its extra parameters, the config flag it needs)

@@ -269,14 +269,18 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
   } else {
     kernels::PagedPrefillParams params{};
     static_cast<kernels::PagedAttentionParams&>(params) = base;
-    // An FP8 cache: the pages this prefill reads are dequantized first into pools of q's dtype
-    // (page w of sequence b at b * W + w), which the 16-bit prefill kernels read. A prefill is
-    // bound by its multiplies, so that pass costs little (about 1% of an 8192-token prompt), and
-    // the kernels stay the fast ones; the scales are applied in the pass.
+    // An FP8 cache: the plan says whether the pages this prefill reads are dequantized first into
+    // pools of q's dtype (page w of sequence b at b * W + w; the scales applied there), which the
+    // kernel then reads as a 16-bit cache, or the kernel reads the bytes (plan.h,
+    // prefill_dequantizes_fp8_first has the rule and its measurements).
+    const int64_t width = block_table.size(1);
+    const int64_t pages = num_seqs * width;
+    const int64_t scratch_bytes =
+        fp8 ? 2 * pages * page_size * num_kv_heads * head_dim * q.element_size() : 0;
+    const kernels::PrefillPlan plan =
+        kernels::plan_paged_prefill(base.head_dim, device_facts, tuning, scratch_bytes);
     at::Tensor k_pages, v_pages, pages_table;
-    if (fp8) {
-      const int64_t width = block_table.size(1);
-      const int64_t pages = num_seqs * width;
+    if (fp8 && plan.error.empty() && plan.dequantize_fp8_first) {
       k_pages = at::empty({pages, page_size, num_kv_heads, head_dim}, q.options());
       v_pages = at::empty_like(k_pages);
       pages_table = at::arange(pages, block_table.options()).view({num_seqs, width});
@@ -324,8 +328,6 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
     }
     params.query_start_loc = query_start_loc.data_ptr<int32_t>();
     params.max_query_len = static_cast<int>(std::min<int64_t>(max_query_len, INT32_MAX));
-    const kernels::PrefillPlan plan =
-        kernels::plan_paged_prefill(base.head_dim, device_facts, tuning);
     status = kernels::launch_paged_prefill(params, plan, stream);
   }
   ASTR_CHECK(status.ok(), "cuda_paged_attention: ", status.error);

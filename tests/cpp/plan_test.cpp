@@ -358,4 +358,39 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   EXPECT_NE(astrai::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
 }
 
+TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitOrWhereTheKernelCannotRead) {
+  using astrai::kernels::Fp8Prefill;
+  using astrai::kernels::kFp8ScratchLimitBytes;
+  auto first = [](int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
+                  int64_t scratch) {
+    return astrai::kernels::plan_paged_prefill(head_dim, device, tuning, scratch)
+        .dequantize_fp8_first;
+  };
+  KernelTuning automatic;
+  // A 16-bit cache has nothing to dequantize.
+  EXPECT_FALSE(first(128, h200(), automatic, 0));
+  // The wgmma prefill (D = 128 on sm_90a): dequantized first up to the limit, bytes beyond.
+  EXPECT_TRUE(first(128, h200(), automatic, 1));
+  EXPECT_TRUE(first(128, h200(), automatic, kFp8ScratchLimitBytes));
+  EXPECT_FALSE(first(128, h200(), automatic, kFp8ScratchLimitBytes + 1));
+  // Kernels that read 16-bit pages only: always dequantized first.
+  EXPECT_TRUE(first(64, h200(), automatic, kFp8ScratchLimitBytes * 8));
+  EXPECT_TRUE(first(96, h200(), automatic, kFp8ScratchLimitBytes * 8));
+  EXPECT_TRUE(first(128, a100(), automatic, kFp8ScratchLimitBytes * 8));
+  // Forced either way where the kernel can read the bytes; forcing cannot make the others read.
+  KernelTuning in_kernel;
+  in_kernel.fp8_prefill = Fp8Prefill::kInKernel;
+  EXPECT_FALSE(first(128, h200(), in_kernel, 1));
+  EXPECT_TRUE(first(64, h200(), in_kernel, 1));
+  KernelTuning dequantize;
+  dequantize.fp8_prefill = Fp8Prefill::kDequantizeFirst;
+  EXPECT_TRUE(first(128, h200(), dequantize, kFp8ScratchLimitBytes * 8));
+  KernelTuning parsed;
+  EXPECT_EQ(
+      astrai::kernels::parse_kernel_tuning("prefill_kernel=wgmma,fp8_prefill=in_kernel", &parsed),
+      "");
+  EXPECT_EQ(parsed.fp8_prefill, Fp8Prefill::kInKernel);
+  EXPECT_NE(astrai::kernels::parse_kernel_tuning("fp8_prefill=registers", &parsed), "");
+}
+
 }  // namespace

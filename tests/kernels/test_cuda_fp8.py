@@ -26,6 +26,15 @@ pytestmark = [
 ]
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+# How an FP8 prefill runs (plan.h): the wgmma prefill (D = 128 on sm_90) reads the bytes itself
+# or, below the scratch limit, pages the binding dequantizes first; the others always read
+# dequantized pages. Each tuning names the kernel and the way, both forced.
+PREFILL_WAYS = {
+    "warp_specialized": "prefill_kernel=warp_specialized",
+    "wgmma_in_kernel": "prefill_kernel=wgmma,fp8_prefill=in_kernel",
+    "wgmma_dequantized": "prefill_kernel=wgmma,fp8_prefill=dequantize_first",
+    "mma_sync": "prefill_kernel=mma_sync",
+}
 
 
 class Fp8Batch:
@@ -177,11 +186,9 @@ def test_fp8_decode_in_every_form_with_the_variants(splits, merge, fp8, tuning):
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("page_size", [1, 16, 128])
-@pytest.mark.parametrize("kernel", ["warp_specialized", "wgmma", "mma_sync"])
-def test_fp8_prefill_with_cached_prefixes_matches_reference(
-    fp8, head_dim, page_size, kernel, tuning
-):
-    tuning(f"prefill_kernel={kernel}")
+@pytest.mark.parametrize("way", PREFILL_WAYS)
+def test_fp8_prefill_with_cached_prefixes_matches_reference(fp8, head_dim, page_size, way, tuning):
+    tuning(PREFILL_WAYS[way])
     g = torch.Generator(device="cuda").manual_seed(200 + head_dim + page_size)
     q_lens = [300, 1, 77]
     lens = [1300, 40, 77]
@@ -189,6 +196,95 @@ def test_fp8_prefill_with_cached_prefixes_matches_reference(
     batch = Fp8Batch(inner, fp8, g)
     out, _ = run(batch, False)
     ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(head_dim))
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("way", PREFILL_WAYS)
+def test_fp8_prefill_with_the_variants_matches_reference(fp8, q_dtype, way, tuning):
+    """Every prefill kernel over an FP8 cache, with a window, a softcap, sinks and the lse, in
+    both q dtypes (the wgmma kernel reading the bytes multiplies in f16 whatever q's dtype); a
+    control shows the scales matter."""
+    tuning(PREFILL_WAYS[way])
+    g = torch.Generator(device="cuda").manual_seed(300 + len(way))
+    inner = PagedBatch([1300, 40, 500], [300, 1, 211], 16, 4, 128, 16, q_dtype, generator=g)
+    batch = Fp8Batch(inner, fp8, g)
+    sinks = (torch.randn(16, generator=g, device="cuda") * 2).float()
+    scale = 1.0 / math.sqrt(128)
+    out, lse = run(batch, False, window_left=700, softcap=30.0, sinks=sinks, return_lse=True)
+    ref, ref_lse = variant_reference(batch, batch.q, scale, 700, 30.0, sinks)
+    assert_matches(out, ref)
+    assert (lse.double() - ref_lse).abs().max() < 2e-2
+    plain, _ = run(batch, False)
+    control = unscaled_reference(batch)
+    assert (plain.double() - control).norm() / control.norm() > 0.05
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("magnitude", [3e4, 1e-6])
+@pytest.mark.parametrize("way", PREFILL_WAYS)
+def test_fp8_prefill_of_a_query_outside_f16s_range_matches_reference(fp8, magnitude, way, tuning):
+    """The wgmma prefill over an FP8 cache multiplies in f16: a bf16 query of magnitude 3e4
+    (beyond f16's 65504) or 1e-6 (below f16's normals) is brought into f16's range by a power of
+    two per block (query_tile_to_f16) and gives the reference's answer."""
+    tuning(PREFILL_WAYS[way])
+    g = torch.Generator(device="cuda").manual_seed(4321)
+    inner = PagedBatch([900, 77], [400, 77], 8, 2, 128, 16, torch.bfloat16, generator=g)
+    batch = Fp8Batch(inner, fp8, g)
+    batch.q = (batch.q.float() * magnitude).to(torch.bfloat16)
+    if magnitude > 1:
+        assert batch.q.float().abs().max() > 65504
+    scale = 1.0 / (math.sqrt(128) * magnitude)
+    out, _ = run(batch, False, scale=scale)
+    ref, _ = variant_reference(batch, batch.q, scale)
+    assert_matches(out, ref)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the wgmma prefill: an sm_90 GPU",
+)
+@pytest.mark.parametrize(
+    "padded_width,way,expect_pass",
+    [
+        (0, "auto", True),  # 514 pages: 0.13 GiB of scratch, dequantized first
+        (1200, "auto", False),  # padded to 1714 pages: 0.42 GiB, the kernel reads the bytes
+        (0, "in_kernel", False),
+        (1200, "dequantize_first", True),
+    ],
+)
+def test_fp8_prefill_on_wgmma_dequantizes_first_only_within_the_scratch_limit(
+    padded_width, way, expect_pass, tuning
+):
+    """On the H200 the wgmma prefill (D = 128) reads the FP8 pages itself once the dequantized
+    pages would take more than plan.h's 256 MiB (num_seqs x block-table width pages of bf16, K
+    and V): then no dequantizing pass runs and no such scratch is allocated. Below it, and when
+    forced, the pass runs and the scratch shows in the peak memory (the control)."""
+    from tests.kernels.test_cuda_kernels import launched_kernel_names
+
+    tuning("prefill_kernel=wgmma", f"fp8_prefill={way}")
+    g = torch.Generator(device="cuda").manual_seed(77)
+    lens = [8192, 4000, 6000, 100]
+    inner = PagedBatch(lens, [64] * 4, 32, 8, 128, 16, torch.bfloat16, generator=g)
+    batch = Fp8Batch(inner, torch.float8_e4m3fn, g)
+    ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(128))
+    if padded_width:  # columns past every length: never read
+        pad = torch.full((4, padded_width), 3, dtype=torch.int32, device="cuda")
+        batch.block_table = torch.cat([batch.block_table, pad], dim=1)
+    width = batch.block_table.shape[1]
+    scratch = 2 * 4 * width * 16 * 8 * 128 * 2  # K and V, bf16
+    assert (scratch > 256 << 20) == (padded_width > 0)
+    names = launched_kernel_names(lambda: run(batch, False))
+    assert any("paged_prefill_wgmma_kernel" in n for n in names), names
+    assert any("dequantize_pages_kernel" in n for n in names) == expect_pass, names
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out, _ = run(batch, False)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert (extra >= scratch) == expect_pass, (extra, scratch)
     assert_matches(out, ref)
 
 

@@ -183,13 +183,14 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
     status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
       using T = decltype(t);
       using KV = decltype(kv);
+      if constexpr (paged_head_dim_forms(D)->prefill_wgmma) {
+        if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
+      }
+      if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
       if constexpr (!std::is_same_v<T, KV>) {
-        return {"prefill reads a cache of q's dtype (an FP8 cache is dequantized first)"};
+        return {std::string("prefill: the ") + prefill_kernel_name(plan.kernel) +
+                " kernel reads a cache of q's dtype (an FP8 cache is dequantized first)"};
       } else {
-        if constexpr (paged_head_dim_forms(D)->prefill_wgmma) {
-          if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
-        }
-        if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
         if constexpr (paged_head_dim_forms(D)->prefill_warp_specialized) {
           if (warp_specialized) return run_paged_prefill_warp_specialized<D, T, KV>(args, stream);
         }

@@ -126,6 +126,18 @@ const char* prefill_kernel_name(PrefillKernel kernel) {
   return "?";
 }
 
+const char* fp8_prefill_name(Fp8Prefill mode) {
+  switch (mode) {
+    case Fp8Prefill::kAuto:
+      return "auto";
+    case Fp8Prefill::kInKernel:
+      return "in_kernel";
+    case Fp8Prefill::kDequantizeFirst:
+      return "dequantize_first";
+  }
+  return "?";
+}
+
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
   KernelTuning parsed;
   size_t start = 0;
@@ -164,6 +176,15 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
           ok = true;
         }
       }
+    } else if (key == "fp8_prefill") {
+      ok = false;
+      for (Fp8Prefill mode :
+           {Fp8Prefill::kAuto, Fp8Prefill::kInKernel, Fp8Prefill::kDequantizeFirst}) {
+        if (value == fp8_prefill_name(mode)) {
+          parsed.fp8_prefill = mode;
+          ok = true;
+        }
+      }
     } else {
       known = false;
     }
@@ -171,7 +192,8 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       return "kernel tuning: cannot read '" + std::string(item) +
              "' (expected comma-separated decode_form=auto|split|cluster|block_pairs|"
              "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
-             "prefill_kernel=auto|warp_specialized|wgmma|mma_sync)";
+             "prefill_kernel=auto|warp_specialized|wgmma|mma_sync, "
+             "fp8_prefill=auto|in_kernel|dequantize_first)";
     }
   }
   *tuning = parsed;
@@ -299,8 +321,8 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 // lab/NOTES.md). So
 // config.h compiles the warp-specialised kernel at D = 64 and 256, the first at D = 128, and the
 // plan runs whichever is compiled.
-PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device,
-                               const KernelTuning& tuning) {
+PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
+                               int64_t fp8_scratch_bytes) {
   PrefillPlan plan;
   const HeadDimForms* forms = paged_head_dim_forms(head_dim);
   if (forms == nullptr) {
@@ -322,6 +344,12 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device,
     plan.kernel = PrefillKernel::kWgmma;
   } else {
     plan.kernel = PrefillKernel::kMmaSync;
+  }
+  if (fp8_scratch_bytes > 0) {
+    bool first = prefill_dequantizes_fp8_first(fp8_scratch_bytes);
+    if (tuning.fp8_prefill != Fp8Prefill::kAuto)
+      first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
+    plan.dequantize_fp8_first = first || !prefill_reads_fp8(plan.kernel);
   }
   return plan;
 }

@@ -48,6 +48,8 @@ struct DeviceFacts {
 
 enum class DecodeForm : int { kAuto, kSplit, kCluster, kBlockPairs, kEightWarps, kPersistent };
 enum class PrefillKernel : int { kAuto, kWarpSpecialized, kWgmma, kMmaSync };
+// How a prefill over an FP8 cache reads it (PrefillPlan::dequantize_fp8_first).
+enum class Fp8Prefill : int { kAuto, kInKernel, kDequantizeFirst };
 
 // Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
 // ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
@@ -60,11 +62,14 @@ enum class PrefillKernel : int { kAuto, kWarpSpecialized, kWgmma, kMmaSync };
 //                                    that give each block several items
 //   prefill_kernel=auto|warp_specialized|wgmma|mma_sync  a preference: that kernel where it
 //                                    runs (else the automatic choice), or mma.sync always
+//   fp8_prefill=auto|in_kernel|dequantize_first  how a prefill reads an FP8 cache: in_kernel
+//                                    where the kernel can (prefill_reads_fp8), else dequantized
 struct KernelTuning {
   DecodeForm decode_form = DecodeForm::kAuto;
   int decode_splits = 0;      // 0: the rule's
   int persistent_blocks = 0;  // 0: one per SM
   PrefillKernel prefill_kernel = PrefillKernel::kAuto;
+  Fp8Prefill fp8_prefill = Fp8Prefill::kAuto;
 };
 // "" on success; otherwise what is wrong (and *tuning is left unchanged).
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
@@ -91,8 +96,16 @@ struct DecodePlan {
 
 struct PrefillPlan {
   PrefillKernel kernel = PrefillKernel::kMmaSync;  // never kAuto
+  // An FP8 cache: the binding first dequantizes the pages the call reads into a scratch of q's
+  // dtype (kernels/kv_cache/dequantize_pages.cu), which the kernel reads as a 16-bit cache;
+  // otherwise the kernel reads the bytes itself (prefill_reads_fp8). See kFp8ScratchLimitBytes.
+  bool dequantize_fp8_first = false;
   std::string error;
 };
+// Whether the kernel reads an FP8 cache's bytes itself (the wgmma prefill converts its tiles in
+// shared memory); the others read only 16-bit pages. config.h's kv kinds and
+// generate_instantiations.py's FP8 families say the same.
+constexpr bool prefill_reads_fp8(PrefillKernel kernel) { return kernel == PrefillKernel::kWgmma; }
 
 // Decode items: (sequence, kv head, row tile of 16 query rows) triples.
 int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads);
@@ -102,10 +115,14 @@ int64_t decode_kv_positions(const DecodeShape& shape);
 
 DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device,
                              const KernelTuning& tuning);
-PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning);
+// fp8_scratch_bytes: for an FP8 cache, the bytes the dequantized pages would take (K and V,
+// num_seqs x block-table width pages of q's dtype); 0 for a 16-bit cache.
+PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
+                               int64_t fp8_scratch_bytes = 0);
 
 const char* decode_form_name(DecodeForm form);
 const char* prefill_kernel_name(PrefillKernel kernel);
+const char* fp8_prefill_name(Fp8Prefill mode);
 
 // ---- The rules, with their measurements --------------------------------------------------------
 
@@ -189,6 +206,27 @@ constexpr bool decode_persistent_blocks_pay(int64_t num_items, int64_t num_sms) 
   if (num_sms <= 0 || num_items <= num_sms) return false;
   const int64_t rounds = (num_items + num_sms - 1) / num_sms;
   return rounds == 3 || rounds >= 5;
+}
+
+// Whether an FP8 prefill on a kernel that can read the bytes itself (prefill_reads_fp8) still
+// dequantizes the pages first: while the scratch that takes stays within kFp8ScratchLimitBytes.
+// The dequantizing pass is cheap (it reads each page once), and the kernel then runs at the 16-bit
+// speed; reading the bytes, every block converts each tile it reads (a tile is read by every row
+// tile of its sequence), which costs the wgmma prefill about 10%. H200, bf16 q, Hq=32, Hkv=8,
+// D=128, page 16, causal, e4m3 / bf16 prefill time in one process (benchmarks/bench_fp8.py,
+// lab/results/fp8_prefill_*):
+//
+//   call                            dequantized first   in the kernel
+//   B=1 S=8192                      1.015               1.113
+//   ragged 8 with cached prefixes   1.037               1.107
+//
+// But the scratch is num_seqs x block-table width pages of q's dtype for K and V: a batch whose
+// block table is padded to a long maximum length would allocate gigabytes for one call (64
+// sequences x 2048 pages of 16 at Hkv = 8, D = 128: 8.6 GB), so above the limit the kernel reads
+// the bytes.
+inline constexpr int64_t kFp8ScratchLimitBytes = int64_t{256} << 20;
+constexpr bool prefill_dequantizes_fp8_first(int64_t fp8_scratch_bytes) {
+  return fp8_scratch_bytes <= kFp8ScratchLimitBytes;
 }
 
 }  // namespace astrai::kernels

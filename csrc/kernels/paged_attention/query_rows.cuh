@@ -43,22 +43,24 @@ __device__ __forceinline__ void load_query_rows(const PagedAttentionParams& p, T
 }
 
 // A bf16 query tile of kRows rows (16-byte chunk `chunk` of row r at offset(r, chunk)) becomes
-// f16 in place, for the FP8 decode's f16 products (tile_math.cuh): each value times 2^-e, e chosen
-// so that the tile's largest magnitude lands in [2^14, 2^15) (f16's largest is 65504). f16 has
-// bf16's 8 significant bits and 3 more, so every value within 2^28 of the largest stays exact;
-// smaller ones, whose products weigh under 2^-28 of the largest's, become subnormals or 0.
-// Returns 2^e, for the caller to fold into the score scale. Every warp of the group reads
-// the whole tile for its maximum (no exchange between warps); sync() is the group's barrier,
-// called twice.
+// f16 in place, for the f16 products over an FP8 cache (tile_math.cuh, prefill_wgmma_kernel.cuh):
+// each value times 2^-e, e chosen so that the tile's largest magnitude lands in [2^14, 2^15) (f16's
+// largest is 65504). f16 has bf16's 8 significant bits and 3 more, so every value within 2^28 of
+// the largest stays exact; smaller ones, whose products weigh under 2^-28 of the largest's, become
+// subnormals or 0. Returns 2^e, for the caller to fold into the score scale. sync() is the group's
+// barrier, called twice. The maximum: with warp_largest (kThreads / 32 floats of shared memory)
+// each thread reads its share of the tile and the warps exchange theirs there; without, every warp
+// of the group reads the whole tile (no exchange: the decode's few rows).
 template <int kRows, int kChunks, int kThreads, typename Offset, typename Sync>
 __device__ __forceinline__ float query_tile_to_f16(void* q_smem, int tid, Offset offset,
-                                                   Sync&& sync) {
+                                                   Sync&& sync, float* warp_largest = nullptr) {
   auto chunk_at = [&](int c) -> uint4& {
     return *reinterpret_cast<uint4*>(static_cast<uint16_t*>(q_smem) +
                                      offset(c / kChunks, c % kChunks));
   };
+  const bool exchange = warp_largest != nullptr;
   float largest = 0.f;
-  for (int c = tid % 32; c < kRows * kChunks; c += 32) {
+  for (int c = exchange ? tid : tid % 32; c < kRows * kChunks; c += exchange ? kThreads : 32) {
     const uint4 v = chunk_at(c);
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -70,11 +72,16 @@ __device__ __forceinline__ float query_tile_to_f16(void* q_smem, int tid, Offset
 #pragma unroll
   for (int lane_mask = 16; lane_mask > 0; lane_mask /= 2)
     largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, lane_mask));
+  if (exchange && tid % 32 == 0) warp_largest[tid / 32] = largest;
+  sync();  // every warp has read the bf16 values (and posted its maximum)
+  if (exchange) {
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) largest = fmaxf(largest, warp_largest[w]);
+  }
   const int exponent = static_cast<int>((__float_as_uint(largest) >> 23) & 0xff) - 127;
   // A zero tile (exponent -127) keeps 2^100; NaN and inf (128) stay NaN and inf.
   const int e = min(max(exponent - 14, -100), 100);
   const float down = exp2f(static_cast<float>(-e));
-  sync();  // every warp has read the bf16 values
   for (int c = tid; c < kRows * kChunks; c += kThreads) {
     uint4& chunk = chunk_at(c);
     uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
@@ -110,7 +117,8 @@ LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedA
 
 // Host: launches a prefill kernel compiled per softcap kind, the one the call needs (variant.cuh,
 // softcap_kernel), over row tiles of block_rows packed rows (max_query_len x group rows per
-// sequence): every prefill's launcher.
+// sequence): every prefill's launcher. T: P's type in the P V multiply (bf16 allows the fixed
+// max).
 template <typename T, typename Kernel>
 LaunchStatus launch_prefill_row_tiles(const PagedKernelArgs& args, Kernel softcap_off,
                                       Kernel softcap_running_max, Kernel softcap_fixed_max,

@@ -2,7 +2,8 @@
 // multiply, shared by the two wgmma prefills (prefill_wgmma_kernel.cuh, where every warp also
 // copies, and prefill_warp_specialized_kernel.cuh, where a producer warpgroup does): issue
 // S = Q K^T, turn the landed scores into weights (variant layer, online softmax), pack them as the
-// A operand of O += P V, issue that, and store the finished rows.
+// A operand of O += P V, issue that, and store the finished rows; and, over an FP8 cache, turn a
+// staged tile's bytes into the f16 tile the multiplies read (fp8_tile_to_f16).
 //
 // Layouts: Q, K and V tiles in shared memory as swizzled_128b_tile_offset lays them out (column
 // blocks of 64 elements, each R rows x 128 bytes); per thread, rows thread_row and thread_row + 8
@@ -10,6 +11,8 @@
 // columns lane_col and lane_col + 1 (lane_col = 2 (lane % 4)): wgmma_primitives.cuh has the
 // accumulator layout.
 #pragma once
+
+#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
@@ -91,6 +94,38 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTileN / 2], const Paged
   }
 }
 
+// The FP8 bytes of a staged K or V tile of kTileN rows (rows of D bytes, 16-byte chunks swizzled:
+// tile_offset, as the loader lays them) as an f16 tile in wgmma's layout
+// (swizzled_128b_tile_offset), by the block's kThreads threads; exact, as every e4m3 and e5m2 value
+// is an f16 (fp8_pair_to_f16x2). Thread i of a pass takes chunk i / kTileN of row i % kTileN, so
+// that the 8 threads of a quarter warp (one shared-memory wavefront of 16-byte accesses) read and
+// write 8 rows, whose swizzled chunks lie in 8 distinct bank groups.
+template <int D, int kTileN, int kThreads, bool kE5M2>
+__device__ __forceinline__ void fp8_tile_to_f16(const uint8_t* staged, __half* tile, int tid) {
+  constexpr int kChunks = D / 16;  // FP8 chunks of a row
+  static_assert((kTileN * kChunks) % kThreads == 0 && kTileN % 8 == 0, "whole passes");
+#pragma unroll
+  for (int i = 0; i < kTileN * kChunks / kThreads; ++i) {
+    const int c = tid + i * kThreads;
+    const int row = c % kTileN;
+    const int chunk = c / kTileN;
+    const uint4 bytes =
+        *reinterpret_cast<const uint4*>(staged + tile_offset<D, true, 16>(row, chunk));
+    const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+    uint32_t h[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      h[2 * w] = fp8_pair_to_f16x2<kE5M2, false>(words[w]);
+      h[2 * w + 1] = fp8_pair_to_f16x2<kE5M2, true>(words[w]);
+    }
+    // FP8 chunk c of a row is 16-bit chunks 2c and 2c + 1.
+    *reinterpret_cast<uint4*>(tile + swizzled_128b_tile_offset<kTileN>(row, 2 * chunk)) =
+        make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(tile + swizzled_128b_tile_offset<kTileN>(row, 2 * chunk + 1)) =
+        make_uint4(h[4], h[5], h[6], h[7]);
+  }
+}
+
 // The weights as 16-bit A fragments of O += P V: two adjacent n8 blocks of S are one k16 step.
 template <typename T, int kTileN>
 __device__ __forceinline__ void scores_to_a_fragments(const float (&s)[kTileN / 2],
@@ -116,12 +151,13 @@ __device__ __forceinline__ void sum_rows_over_quad(float (&row_sum)[2]) {
 }
 
 // The finished rows (sums from sum_rows_over_quad): the variant layer's finish (sinks, poison),
-// then this thread's columns of the output and the row's LSE. Rows past num_rows are padding.
+// then this thread's columns of the output, times out_scale (an FP8 cache's v scale), and the
+// row's LSE. Rows past num_rows are padding.
 template <typename T, int D>
 __device__ __forceinline__ void store_finished_rows(
     const PagedAttentionParams& p, const SequenceRows& seq, int kv_head, int thread_row,
     int lane_col, const float (&o)[D / 2], const float (&row_max)[2], const float (&row_sum)[2],
-    const ScoreTransform& transform, bool poisoned) {
+    const ScoreTransform& transform, bool poisoned, float out_scale = 1.f) {
   T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -132,7 +168,7 @@ __device__ __forceinline__ void store_finished_rows(
     const FinishedRow finished =
         finish_row(row_max[half] * transform.exp_scale, poison_sum(row_sum[half], poisoned),
                    sink_log2(p, head));
-    const float inv = finished.inv;
+    const float inv = finished.inv * out_scale;
     T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
