@@ -5,12 +5,15 @@
     scales from the data), page 16, shuffled; the FP8 rate counts FP8 bytes (targets: at most
     0.55x the bf16 time at B >= 16, L >= 4096, i.e. >= 90% of the copy rate; 0.6x at B=1,
     L=32768);
-  - prefill (B=1 S=8192; a ragged batch with cached prefixes): FP8 vs bf16 (target: >= 1.0x).
+  - prefill (B=1 S=8192; a ragged batch with cached prefixes; B=1 S=8192 with its block table
+    padded to 8192 pages): FP8 vs bf16 (target: >= 1.0x), the FP8 call as the plan runs it
+    (pages dequantized first while that scratch stays within 256 MiB, plan.h) and with the
+    wgmma kernel reading the bytes (fp8_prefill=in_kernel).
 
 FlashInfer's FP8 decode is a peer of the main benchmark:
 `bench_attention.py --peers cuda_ps16,flashinfer_decode_fp8` (benchmarks/peers.py).
 
-    python3 benchmarks/bench_fp8.py [--out DIR] [--repeats N]
+    python3 benchmarks/bench_fp8.py [--out DIR] [--repeats N] [--only decode|prefill]
 """
 
 from __future__ import annotations
@@ -48,6 +51,20 @@ def attend(q, kwargs):
     return lambda: torch.ops.astr.attention(q, **kwargs)
 
 
+def with_tuning(text, fn):
+    """fn under the kernel tuning `text` (plan.h), the previous tuning restored after."""
+
+    def call():
+        previous = torch.ops.astr.kernel_tuning()
+        torch.ops.astr.set_kernel_tuning(text)
+        try:
+            return fn()
+        finally:
+            torch.ops.astr.set_kernel_tuning(previous)
+
+    return call
+
+
 def decode_bytes(batch, length, kv_bytes):
     return batch * length * HKV * D * 2 * kv_bytes + 2 * batch * HQ * D * 2
 
@@ -57,13 +74,14 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
     copy_bytes, copy_ms = harness.copy_rate(timer)
     copy_tbps = copy_bytes / copy_ms / 1e9
     print(f"copy rate {copy_tbps:.2f} TB/s")
     rows = []
-    for batch, length in DECODE_ROWS:
+    for batch, length in DECODE_ROWS if args.only != "prefill" else []:
         q, call = harness.uniform_decode_call(batch, length, HQ, HKV, D, PAGE)
         call = dict(call, is_causal=True, backend="cuda")
         cache = {k: call[k] for k in ("k_cache", "v_cache", "block_table", "seq_lens")}
@@ -87,10 +105,19 @@ def main() -> int:
         del cache, fp8, call, base, fp8_call, fns
         harness.free_cached()
     mix = harness.ragged_mix(0, 8, (0, 4096), (256, 2048))
-    for label, (prefixes, chunks) in (("B=1 S=8192", ([0], [8192])), ("ragged 8", mix)):
+    prefill_rows = (
+        ("B=1 S=8192", ([0], [8192]), 0),
+        ("ragged 8", mix, 0),
+        ("B=1 S=8192 W=8192", ([0], [8192]), 8192),  # a block table padded to 8192 pages
+    )
+    for label, (prefixes, chunks), width in prefill_rows if args.only != "decode" else []:
         lengths = [p + c for p, c in zip(prefixes, chunks)]
         k = torch.randn(sum(lengths), HKV, D, dtype=torch.bfloat16, device="cuda")
         cache = harness.build_paged_cache(k, torch.randn_like(k), lengths, PAGE)
+        if width:  # columns past every length: never read
+            table = cache["block_table"]
+            pad = torch.zeros(table.shape[0], width - table.shape[1], dtype=table.dtype)
+            cache["block_table"] = torch.cat([table, pad.to(table.device)], dim=1)
         q = torch.randn(sum(chunks), HQ, D, dtype=torch.bfloat16, device="cuda")
         call = dict(
             cache,
@@ -101,14 +128,24 @@ def main() -> int:
             backend="cuda",
         )
         fp8_call = dict(call, **fp8_copy(cache))
-        times = timer.measure_interleaved([attend(q, call), attend(q, fp8_call)])
-        us = dict(bf16=times[0]["ms"] * 1e3, fp8=times[1]["ms"] * 1e3)
-        rows.append(dict(kind="prefill", case=label, us=us, fp8_over_bf16=us["fp8"] / us["bf16"]))
+        fns = {
+            "bf16": attend(q, call),
+            "fp8": attend(q, fp8_call),
+            "fp8_in_kernel": with_tuning("fp8_prefill=in_kernel", attend(q, fp8_call)),
+        }
+        times = timer.measure_interleaved(list(fns.values()))
+        us = {name: t["ms"] * 1e3 for name, t in zip(fns, times)}
+        row = dict(kind="prefill", case=label, block_table_width=cache["block_table"].shape[1])
+        row.update(us=us, fp8_over_bf16=us["fp8"] / us["bf16"])
+        row["fp8_in_kernel_over_bf16"] = us["fp8_in_kernel"] / us["bf16"]
+        rows.append(row)
         print(
-            f"prefill {label:<10} bf16 {us['bf16']:8.1f} us  fp8 {us['fp8']:8.1f} us  "
-            f"fp8/bf16 {us['fp8'] / us['bf16']:.3f}"
+            f"prefill {label:<18} "
+            + "  ".join(f"{k} {v:8.1f} us" for k, v in us.items())
+            + f"  fp8/bf16 {row['fp8_over_bf16']:.3f}  in-kernel/bf16 "
+            f"{row['fp8_in_kernel_over_bf16']:.3f}"
         )
-        del cache, call, fp8_call
+        del cache, call, fp8_call, fns
         harness.free_cached()
 
     env = harness.run_environment(args.repeats, copy_tbps=copy_tbps)
@@ -123,17 +160,33 @@ def main() -> int:
         "| call | bf16 us | fp8 us | fp8 / bf16 | fp8 TB/s (of copy) |",
         "| --- | --- | --- | --- | --- |",
     ]
+    decode_lines, prefill_lines = [], []
     for r in rows:
-        name = (
-            f"decode B={r['batch']} L={r['length']}"
-            if r["kind"] == "decode"
-            else (f"prefill {r['case']}")
-        )
-        tbps = f"{r['fp8_tbps']:.2f} ({r['fp8_of_copy'] * 100:.0f}%)" if "fp8_tbps" in r else ""
-        lines.append(
-            f"| {name} | {r['us']['bf16']:.1f} | {r['us']['fp8']:.1f} | "
-            f"{r['fp8_over_bf16']:.3f} | {tbps} |"
-        )
+        if r["kind"] == "decode":
+            tbps = f"{r['fp8_tbps']:.2f} ({r['fp8_of_copy'] * 100:.0f}%)"
+            decode_lines.append(
+                f"| decode B={r['batch']} L={r['length']} | {r['us']['bf16']:.1f} | "
+                f"{r['us']['fp8']:.1f} | {r['fp8_over_bf16']:.3f} | {tbps} |"
+            )
+        else:
+            prefill_lines.append(
+                f"| prefill {r['case']} | {r['block_table_width']} | {r['us']['bf16']:.1f} | "
+                f"{r['us']['fp8']:.1f} | {r['fp8_over_bf16']:.3f} | "
+                f"{r['us']['fp8_in_kernel']:.1f} | {r['fp8_in_kernel_over_bf16']:.3f} |"
+            )
+    lines += decode_lines
+    if prefill_lines:
+        lines += [
+            "",
+            "Prefill: `fp8` as the plan runs it (pages dequantized first while that scratch, "
+            "K and V of sequences x table width pages of bf16, stays within 256 MiB; beyond, "
+            "the wgmma kernel reads the bytes), `in kernel` forced (`fp8_prefill=in_kernel`).",
+            "",
+            "| call | table width | bf16 us | fp8 us | fp8 / bf16 | in kernel us | "
+            "in kernel / bf16 |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        lines += prefill_lines
     harness.write_record(args.out, "fp8", env, dict(rows=rows), lines)
     return 0
 
