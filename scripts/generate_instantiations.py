@@ -78,7 +78,7 @@ def read_config(path: str = CONFIG):
 
 # The families that read an FP8 cache themselves (config.h: ASTRAI_PAGED_KV_KINDS; plan.h:
 # prefill_reads_fp8).
-FP8_FAMILIES = ("paged_decode", "paged_prefill_wgmma")
+FP8_FAMILIES = ("paged_decode", "paged_prefill", "paged_prefill_wgmma")
 
 FAMILIES = {
     # family: (header, launch template, its extra parameters, the config flag it needs)

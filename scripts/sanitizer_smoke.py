@@ -4,12 +4,14 @@ GQA, and a block table wider than any sequence needs. Every decode runs in each 
 be told to use (torch.ops.astr.set_kernel_tuning): 2 splits as block pairs (D = 128 on sm_90), in a
 thread-block cluster (sm_90) and with the merge kernel, 1 split as eight-warp blocks (D = 128) and
 as the persistent decode on 2 blocks (so each block claims several items), for short sequences and
-for one of 1500 tokens; prefills twice: on wgmma (where it runs) and on mma.sync. A form that
+for one of 1500 tokens; prefills on each kernel (warp-specialised and wgmma where they run,
+mma.sync), the wgmma and mma.sync ones reading FP8 pools themselves. A form that
 cannot run a shape leaves the choice to the plan, as in the kernel tests. Then the variants
 (window, softcap, sinks, lse) through every form, and bad metadata (page ids outside the pool,
 lengths past the block table, negative lengths, a decreasing query_start_loc) that the kernels
 must survive without reading outside their tensors. The same with FP8 pools (e4m3, per-head
-scales, including the FP8 prefill's dequantizing pass), then a seeded fuzz: random page ids,
+scales: the prefill kernels reading the bytes, and the dequantizing pass before the
+warp-specialised one), then a seeded fuzz: random page ids,
 lengths and query_start_loc values, 16-bit and FP8 pools, decode and prefill."""
 
 import torch
@@ -23,10 +25,12 @@ DECODE_FORMS = (
     "decode_form=eight_warps,decode_splits=1",
     "decode_form=persistent,persistent_blocks=2",
 )
+# fp8_prefill only matters for FP8 pools: there the wgmma and mma.sync prefills read the bytes,
+# and the warp-specialised one (or the plan's choice where it does not run) dequantized pages.
 PREFILL_KERNELS = (
     "prefill_kernel=warp_specialized",
-    "prefill_kernel=wgmma",
-    "prefill_kernel=mma_sync",
+    "prefill_kernel=wgmma,fp8_prefill=in_kernel",
+    "prefill_kernel=mma_sync,fp8_prefill=in_kernel",
 )
 
 

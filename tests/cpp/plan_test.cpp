@@ -358,7 +358,7 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   EXPECT_NE(astrai::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
 }
 
-TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitOrWhereTheKernelCannotRead) {
+TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelReadsTheBytes) {
   using astrai::kernels::Fp8Prefill;
   using astrai::kernels::kFp8ScratchLimitBytes;
   auto first = [](int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
@@ -373,18 +373,31 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitOrWhereTheKer
   EXPECT_TRUE(first(128, h200(), automatic, 1));
   EXPECT_TRUE(first(128, h200(), automatic, kFp8ScratchLimitBytes));
   EXPECT_FALSE(first(128, h200(), automatic, kFp8ScratchLimitBytes + 1));
-  // Kernels that read 16-bit pages only: always dequantized first.
-  EXPECT_TRUE(first(64, h200(), automatic, kFp8ScratchLimitBytes * 8));
-  EXPECT_TRUE(first(96, h200(), automatic, kFp8ScratchLimitBytes * 8));
-  EXPECT_TRUE(first(128, a100(), automatic, kFp8ScratchLimitBytes * 8));
-  // Forced either way where the kernel can read the bytes; forcing cannot make the others read.
+  // The mma.sync prefill (D = 96 on the H200, every head dim on the A100) reads the bytes too.
+  EXPECT_FALSE(first(96, h200(), automatic, kFp8ScratchLimitBytes * 8));
+  EXPECT_FALSE(first(128, a100(), automatic, kFp8ScratchLimitBytes * 8));
+  EXPECT_TRUE(first(128, a100(), automatic, kFp8ScratchLimitBytes));
+  // The warp-specialised prefill (D = 64, 256 on the H200) reads 16-bit pages only: within the
+  // limit it runs on dequantized pages, beyond it the mma.sync prefill reads the bytes.
+  auto kernel = [](int head_dim, const KernelTuning& tuning, int64_t scratch) {
+    return astrai::kernels::plan_paged_prefill(head_dim, h200(), tuning, scratch).kernel;
+  };
+  EXPECT_TRUE(first(64, h200(), automatic, kFp8ScratchLimitBytes));
+  EXPECT_EQ(kernel(64, automatic, kFp8ScratchLimitBytes), PrefillKernel::kWarpSpecialized);
+  EXPECT_FALSE(first(256, h200(), automatic, kFp8ScratchLimitBytes + 1));
+  EXPECT_EQ(kernel(256, automatic, kFp8ScratchLimitBytes + 1), PrefillKernel::kMmaSync);
+  EXPECT_EQ(kernel(64, automatic, 0), PrefillKernel::kWarpSpecialized);
+  // Forced either way.
   KernelTuning in_kernel;
   in_kernel.fp8_prefill = Fp8Prefill::kInKernel;
   EXPECT_FALSE(first(128, h200(), in_kernel, 1));
-  EXPECT_TRUE(first(64, h200(), in_kernel, 1));
+  EXPECT_EQ(kernel(128, in_kernel, 1), PrefillKernel::kWgmma);
+  EXPECT_FALSE(first(64, h200(), in_kernel, 1));
+  EXPECT_EQ(kernel(64, in_kernel, 1), PrefillKernel::kMmaSync);
   KernelTuning dequantize;
   dequantize.fp8_prefill = Fp8Prefill::kDequantizeFirst;
   EXPECT_TRUE(first(128, h200(), dequantize, kFp8ScratchLimitBytes * 8));
+  EXPECT_EQ(kernel(64, dequantize, kFp8ScratchLimitBytes * 8), PrefillKernel::kWarpSpecialized);
   KernelTuning parsed;
   EXPECT_EQ(
       astrai::kernels::parse_kernel_tuning("prefill_kernel=wgmma,fp8_prefill=in_kernel", &parsed),

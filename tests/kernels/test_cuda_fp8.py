@@ -26,14 +26,16 @@ pytestmark = [
 ]
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-# How an FP8 prefill runs (plan.h): the wgmma prefill (D = 128 on sm_90) reads the bytes itself
-# or, below the scratch limit, pages the binding dequantizes first; the others always read
-# dequantized pages. Each tuning names the kernel and the way, both forced.
+# How an FP8 prefill runs (plan.h): on pages the binding dequantizes first, or reading the bytes
+# itself (the wgmma prefill, D = 128 on sm_90, and the mma.sync prefill; the warp-specialised one
+# reads dequantized pages only). Each tuning forces the kernel (a preference: where it does not
+# run, the automatic choice) and the way.
 PREFILL_WAYS = {
-    "warp_specialized": "prefill_kernel=warp_specialized",
+    "warp_specialized": "prefill_kernel=warp_specialized,fp8_prefill=dequantize_first",
     "wgmma_in_kernel": "prefill_kernel=wgmma,fp8_prefill=in_kernel",
     "wgmma_dequantized": "prefill_kernel=wgmma,fp8_prefill=dequantize_first",
-    "mma_sync": "prefill_kernel=mma_sync",
+    "mma_sync_in_kernel": "prefill_kernel=mma_sync,fp8_prefill=in_kernel",
+    "mma_sync_dequantized": "prefill_kernel=mma_sync,fp8_prefill=dequantize_first",
 }
 
 
@@ -243,40 +245,47 @@ def test_fp8_prefill_of_a_query_outside_f16s_range_matches_reference(fp8, magnit
 
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-    reason="the wgmma prefill: an sm_90 GPU",
+    reason="the wgmma and warp-specialised prefills: an sm_90 GPU",
 )
 @pytest.mark.parametrize(
-    "padded_width,way,expect_pass",
+    "head_dim,padded_width,way,kernel,expect_pass",
     [
-        (0, "auto", True),  # 514 pages: 0.13 GiB of scratch, dequantized first
-        (1200, "auto", False),  # padded to 1714 pages: 0.42 GiB, the kernel reads the bytes
-        (0, "in_kernel", False),
-        (1200, "dequantize_first", True),
+        # 514 pages: 0.13 GiB of scratch at D = 128, dequantized first
+        (128, 0, "auto", "paged_prefill_wgmma_kernel", True),
+        # padded to 1714 pages: 0.42 GiB, the wgmma kernel reads the bytes
+        (128, 1200, "auto", "paged_prefill_wgmma_kernel", False),
+        (128, 0, "in_kernel", "paged_prefill_wgmma_kernel", False),
+        (128, 1200, "dequantize_first", "paged_prefill_wgmma_kernel", True),
+        # D = 64: the warp-specialised kernel on dequantized pages, beyond the limit (padded to
+        # 4214 pages: 0.51 GiB) the mma.sync kernel reading the bytes
+        (64, 0, "auto", "paged_prefill_warp_specialized_kernel", True),
+        (64, 3700, "auto", "paged_prefill_kernel", False),
     ],
 )
-def test_fp8_prefill_on_wgmma_dequantizes_first_only_within_the_scratch_limit(
-    padded_width, way, expect_pass, tuning
+def test_fp8_prefill_dequantizes_first_only_within_the_scratch_limit(
+    head_dim, padded_width, way, kernel, expect_pass, tuning
 ):
-    """On the H200 the wgmma prefill (D = 128) reads the FP8 pages itself once the dequantized
-    pages would take more than plan.h's 256 MiB (num_seqs x block-table width pages of bf16, K
-    and V): then no dequantizing pass runs and no such scratch is allocated. Below it, and when
-    forced, the pass runs and the scratch shows in the peak memory (the control)."""
+    """On the H200 a prefill reads the FP8 pages itself once the dequantized pages would take
+    more than plan.h's 256 MiB (num_seqs x block-table width pages of bf16, K and V): then no
+    dequantizing pass runs and no such scratch is allocated. Below it, and when forced, the pass
+    runs and the scratch shows in the peak memory (the control)."""
     from tests.kernels.test_cuda_kernels import launched_kernel_names
 
-    tuning("prefill_kernel=wgmma", f"fp8_prefill={way}")
+    tuning(f"fp8_prefill={way}")
     g = torch.Generator(device="cuda").manual_seed(77)
     lens = [8192, 4000, 6000, 100]
-    inner = PagedBatch(lens, [64] * 4, 32, 8, 128, 16, torch.bfloat16, generator=g)
+    inner = PagedBatch(lens, [64] * 4, 32, 8, head_dim, 16, torch.bfloat16, generator=g)
     batch = Fp8Batch(inner, torch.float8_e4m3fn, g)
-    ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(128))
+    ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(head_dim))
     if padded_width:  # columns past every length: never read
         pad = torch.full((4, padded_width), 3, dtype=torch.int32, device="cuda")
         batch.block_table = torch.cat([batch.block_table, pad], dim=1)
     width = batch.block_table.shape[1]
-    scratch = 2 * 4 * width * 16 * 8 * 128 * 2  # K and V, bf16
+    scratch = 2 * 4 * width * 16 * 8 * head_dim * 2  # K and V, bf16
     assert (scratch > 256 << 20) == (padded_width > 0)
     names = launched_kernel_names(lambda: run(batch, False))
-    assert any("paged_prefill_wgmma_kernel" in n for n in names), names
+    attention = [n for n in names if "paged_prefill" in n]
+    assert attention and all(kernel + "<" in n for n in attention), attention
     assert any("dequantize_pages_kernel" in n for n in names) == expect_pass, names
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

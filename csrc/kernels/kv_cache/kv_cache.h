@@ -45,10 +45,9 @@ struct AppendKVParams {
 
 LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream);
 
-// The pages a prefill reads of an FP8 cache, dequantized into a pool of q's dtype for the prefill
-// kernels that read 16-bit pages only (the mma.sync and warp-specialised ones), and for the wgmma
-// prefill while that scratch stays within plan.h's limit (prefill_dequantizes_fp8_first; beyond
-// it the wgmma prefill reads the bytes itself): page w of sequence b (block_table[b][w])
+// The pages a prefill reads of an FP8 cache, dequantized into a pool of q's dtype while that
+// scratch stays within plan.h's limit (prefill_dequantizes_fp8_first; beyond it the wgmma or the
+// mma.sync prefill reads the bytes itself): page w of sequence b (block_table[b][w])
 // becomes page b * W + w of `out`, every element stored.float() * scale[kv head], for the pages its
 // length uses (at most W). A page id outside the pool is not read: its page is filled with NaN, so
 // the sequence's rows come out NaN, as the other kernels poison them (params.h).

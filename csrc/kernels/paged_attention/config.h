@@ -58,12 +58,12 @@ inline constexpr size_t kNumPagedHeadDims = sizeof(kPagedHeadDims) / sizeof(kPag
 
 // KV-cache element kinds: X(enumerator, storage type or Q for q's own, file-name part). An FP8
 // cache (e4m3 or e5m2, told apart at run time) is one byte per element; the decode forms read it
-// and dequantize in registers (tile_math.cuh), the wgmma prefill can convert its tiles in shared
-// memory (prefill_wgmma_kernel.cuh; plan.h says when it does). The other families (the
-// persistent decode, the mma.sync and warp-specialised prefills) are built for q's own type only:
-// an FP8 prefill on them reads pages that the binding has dequantized first
-// (csrc/backends/cuda_paged_attention.cu, plan.h's prefill_reads_fp8), and the plan keeps FP8
-// decodes off the persistent form.
+// and dequantize in registers (tile_math.cuh), and so can the mma.sync prefill; the wgmma prefill
+// converts its tiles in shared memory (prefill_wgmma_kernel.cuh). plan.h says when a prefill
+// reads the bytes rather than pages the binding has dequantized first
+// (csrc/backends/cuda_paged_attention.cu). The other families (the persistent decode, the
+// warp-specialised prefill) are built for q's own type only: the plan keeps FP8 decodes off the
+// persistent form, and FP8 prefills reading the bytes off the warp-specialised one.
 #define ASTRAI_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same) X(kFp8, uint8_t, fp8)
 
 // The development build (ASTR_HEAD_DIM=128 at build time: setup.py defines ASTRAI_ONLY_HEAD_DIM)

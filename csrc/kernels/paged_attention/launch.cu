@@ -187,18 +187,18 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
         if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
       }
       if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
-      if constexpr (!std::is_same_v<T, KV>) {
-        return {std::string("prefill: the ") + prefill_kernel_name(plan.kernel) +
-                " kernel reads a cache of q's dtype (an FP8 cache is dequantized first)"};
-      } else {
-        if constexpr (paged_head_dim_forms(D)->prefill_warp_specialized) {
-          if (warp_specialized) return run_paged_prefill_warp_specialized<D, T, KV>(args, stream);
-        }
-        if (warp_specialized) {
+      if (warp_specialized) {
+        if constexpr (!std::is_same_v<T, KV>) {
+          return {
+              "prefill: the warp-specialised kernel reads a cache of q's dtype (an FP8 cache "
+              "is dequantized first)"};
+        } else if constexpr (paged_head_dim_forms(D)->prefill_warp_specialized) {
+          return run_paged_prefill_warp_specialized<D, T, KV>(args, stream);
+        } else {
           return {"prefill: the warp-specialised kernel is not compiled for this head dim"};
         }
-        return run_paged_prefill<D, T, KV>(args, stream);
       }
+      return run_paged_prefill<D, T, KV>(args, stream);
     });
   });
   return status;

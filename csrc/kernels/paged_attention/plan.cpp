@@ -349,7 +349,10 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
     bool first = prefill_dequantizes_fp8_first(fp8_scratch_bytes);
     if (tuning.fp8_prefill != Fp8Prefill::kAuto)
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
-    plan.dequantize_fp8_first = first || !prefill_reads_fp8(plan.kernel);
+    // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one), the
+    // mma.sync prefill, which can on every GPU.
+    if (!first && !prefill_reads_fp8(plan.kernel)) plan.kernel = PrefillKernel::kMmaSync;
+    plan.dequantize_fp8_first = first;
   }
   return plan;
 }

@@ -103,9 +103,12 @@ struct PrefillPlan {
   std::string error;
 };
 // Whether the kernel reads an FP8 cache's bytes itself (the wgmma prefill converts its tiles in
-// shared memory); the others read only 16-bit pages. config.h's kv kinds and
-// generate_instantiations.py's FP8 families say the same.
-constexpr bool prefill_reads_fp8(PrefillKernel kernel) { return kernel == PrefillKernel::kWgmma; }
+// shared memory, the mma.sync prefill its fragments in registers); the warp-specialised one reads
+// only 16-bit pages. config.h's kv kinds and generate_instantiations.py's FP8 families say the
+// same.
+constexpr bool prefill_reads_fp8(PrefillKernel kernel) {
+  return kernel == PrefillKernel::kWgmma || kernel == PrefillKernel::kMmaSync;
+}
 
 // Decode items: (sequence, kv head, row tile of 16 query rows) triples.
 int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads);
@@ -208,13 +211,13 @@ constexpr bool decode_persistent_blocks_pay(int64_t num_items, int64_t num_sms) 
   return rounds == 3 || rounds >= 5;
 }
 
-// Whether an FP8 prefill on a kernel that can read the bytes itself (prefill_reads_fp8) still
-// dequantizes the pages first: while the scratch that takes stays within kFp8ScratchLimitBytes.
-// The dequantizing pass is cheap (it reads each page once), and the kernel then runs at the 16-bit
-// speed; reading the bytes, every block converts each tile it reads (a tile is read by every row
-// tile of its sequence), which costs the wgmma prefill about 10%. H200, bf16 q, Hq=32, Hkv=8,
-// D=128, page 16, causal, e4m3 / bf16 prefill time in one process (benchmarks/bench_fp8.py,
-// lab/results/fp8_prefill_*):
+// Whether an FP8 prefill dequantizes the pages first: while the scratch that takes stays within
+// kFp8ScratchLimitBytes; beyond it a kernel reads the bytes (the planned one if it can,
+// prefill_reads_fp8, else the mma.sync prefill). The dequantizing pass is cheap (it reads each
+// page once), and the kernel then runs at the 16-bit speed; reading the bytes, every block
+// converts each tile it reads (a tile is read by every row tile of its sequence), which costs the
+// wgmma prefill about 10%. H200, bf16 q, Hq=32, Hkv=8, D=128, page 16, causal, e4m3 / bf16
+// prefill time in one process (benchmarks/bench_fp8.py, lab/results/fp8_prefill_*):
 //
 //   call                            dequantized first   in the kernel
 //   B=1 S=8192                      1.015               1.113

@@ -5,12 +5,19 @@
 // one (sequence, kv head); its warps split the rows, every warp reads the whole K/V tile. Tiles
 // outside the rows' visible range (past the causal edge of the block's last token, before the
 // window of its first) are never read. Heavy (late, causal) row tiles start first.
+//
+// An FP8 cache (KV a byte) is read as stored and converted in registers, the products in f16
+// (tile_math.cuh): a bf16 query tile becomes f16 once, scaled into f16's range by a power of two
+// (query_tile_to_f16), which with the k scale joins the score scale; the v scale multiplies each
+// output row. The plan runs it where dequantizing the pages first would take too much scratch
+// memory (plan.h: prefill_dequantizes_fp8_first).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/device_primitives.cuh"
 #include "../common/launch_status.h"
@@ -25,11 +32,14 @@
 
 namespace astrai::kernels {
 
-// kSoftcap: the softcap it is compiled for (variant.cuh).
-template <typename Traits, typename T, Softcap kSoftcap>
+// kSoftcap: the softcap it is compiled for (variant.cuh); kE5M2: an FP8 cache holds e5m2 (else
+// e4m3).
+template <typename Traits, typename T, typename KV, Softcap kSoftcap, bool kE5M2>
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_prefill_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(!Traits::kDecode && Traits::kGroups == 1, "prefill traits");
+  static_assert(sizeof(KV) == Traits::kKVBytes, "traits of this cache");
+  constexpr bool kFp8 = Traits::kFp8;
   constexpr int D = Traits::kHeadDim;
   constexpr int kChunks = Traits::kChunksPerRow;
   constexpr int kThreads = Traits::kThreads;
@@ -40,9 +50,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
   const PagedAttentionParams& p = args.base;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* q_smem = reinterpret_cast<T*>(smem_raw);
-  T* k_smem = q_smem + Traits::kQSmemElements;
-  T* v_smem = k_smem + Traits::kKVSmemElements;
+  T* q_smem = reinterpret_cast<T*>(smem_raw);  // f16 once converted, over an FP8 cache
+  KV* k_smem = reinterpret_cast<KV*>(q_smem + Traits::kQSmemElements);
+  KV* v_smem = k_smem + Traits::kKVSmemElements;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -66,8 +76,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // ---- global -> shared copies -------------------------------------------------------------
   // K/V tiles (see kv_tile_loader.cuh): page ids looked up just before each copy.
   const KVTileSource source =
-      kv_tile_source<T>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end);
-  KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
+      kv_tile_source<KV>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end);
+  KVTileLoader<Traits, KV> loader(source, k_smem, v_smem, tid);
   loader.prescan_page_ids();  // once per block: the copies then only clamp their ids
 
   // ---- per-warp state: kMRep x 16 rows of the block, the whole of every tile ------------------
@@ -78,17 +88,21 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   WarpSoftmaxState<Traits> state;  // O, running max and sum of the warp's rows
   state.reset();
 
+  auto q_offset = [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); };
   auto load_q_fragment = [&](int mi, int ks, uint32_t (&a)[4]) {
-    const int r = warp_row0 + mi * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-    const int ch = ks * 2 + lane / 16;
-    ldmatrix_x4(shared_address(q_smem + tile_offset<D, Traits::kSwizzle>(r, ch)), a);
+    if constexpr (kFp8) {  // the FP8 tiles' k order (tile_math.cuh)
+      load_fp8_query_fragment(q_smem, warp_row0 + mi * 16, lane, ks, q_offset, a);
+    } else {
+      const int r = warp_row0 + mi * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+      const int ch = ks * 2 + lane / 16;
+      ldmatrix_x4(shared_address(q_smem + q_offset(r, ch)), a);
+    }
   };
 
   // ---- pipeline prologue: the query with the first K/V step (compute-bound: no registers to
   // spare for looking page ids up ahead, so each lookup comes just before its copy) -----------
-  load_query_rows<T, kBlockRows, kChunks, kThreads>(
-      p, q_smem, tid, seq.q_start, row0, num_rows, group, kv_head,
-      [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); });
+  load_query_rows<T, kBlockRows, kChunks, kThreads>(p, q_smem, tid, seq.q_start, row0, num_rows,
+                                                    group, kv_head, q_offset);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) {
@@ -98,7 +112,13 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     loader.commit();  // one step per stage, empty or not, keeps the wait counts uniform
   }
 
-  const ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2);
+  // FP8: the kv head's k scale folds into the score scale, its v scale into each output row.
+  float k_scale = 1.f, v_scale = 1.f;
+  if constexpr (kFp8) {
+    k_scale = p.k_scale[kv_head];
+    v_scale = p.v_scale[kv_head];
+  }
+  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
@@ -108,13 +128,22 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     }
     loader.commit();
     loader.wait();
+    // FP8 tiles are multiplied in f16: a bf16 query becomes f16 once it has landed.
+    if constexpr (kFp8 && !std::is_same_v<T, __half>) {
+      if (tile == 0) {
+        __shared__ float warp_largest[kThreads / 32];
+        const float restore = query_tile_to_f16<kBlockRows, kChunks, kThreads>(
+            q_smem, tid, q_offset, [] { __syncthreads(); }, warp_largest);
+        transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale * restore);
+      }
+    }
 
     const int stage = tile % kStages;
-    const T* k_tile = k_smem + stage * Traits::kTileElements;
-    const T* v_tile = v_smem + stage * Traits::kTileElements;
+    const KV* k_tile = k_smem + stage * Traits::kTileElements;
+    const KV* v_tile = v_smem + stage * Traits::kTileElements;
     const int pos0 = kv_begin + tile * kTileN;
 
-    attend_kv_tile<Traits, T, T, /*kE5M2=*/false, kSoftcap == Softcap::kFixedMax>(
+    attend_kv_tile<Traits, T, KV, kE5M2, kSoftcap == Softcap::kFixedMax>(
         k_tile, v_tile, 0, lane,
         [&](int mi, int ks, uint32_t (&a)[4]) { load_q_fragment(mi, ks, a); },
         [&] { return unmasked.need_mask(pos0, kTileN); },
@@ -142,12 +171,22 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
       const FinishedRow finished =
           finish_row(state.row_max[mi][half], poison_sum(state.row_sum[mi][half], poisoned),
                      sink_log2(p, head));
-      const float inv = finished.inv;
-      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + lane_col;
+      const float inv = finished.inv * v_scale;
+      T* dst = out + token * p.out_stride_token + head * p.out_stride_head;
+      const float (&o)[D / 8][4] = state.o[mi];
+      if constexpr (kFp8) {
+        // Blocks 2 j and 2 j + 1 hold d = 16 j + 4 t .. + 3 of this lane (fp8_output_column).
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(dst + dt * 8) =
-            pack_pair<T>(state.o[mi][dt][half * 2] * inv, state.o[mi][dt][half * 2 + 1] * inv);
+        for (int j = 0; j < D / 16; ++j)
+          *reinterpret_cast<uint2*>(dst + 16 * j + 2 * lane_col) = make_uint2(
+              pack_pair<T>(o[2 * j][half * 2] * inv, o[2 * j + 1][half * 2] * inv),
+              pack_pair<T>(o[2 * j][half * 2 + 1] * inv, o[2 * j + 1][half * 2 + 1] * inv));
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(dst + lane_col + dt * 8) =
+              pack_pair<T>(o[dt][half * 2] * inv, o[dt][half * 2 + 1] * inv);
+        }
       }
       if (lane_col == 0) store_lse(p, token, head, finished.lse_log2);
     }
@@ -156,12 +195,22 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream) {
-  using Traits = PrefillTraits<D>;
-  return launch_prefill_row_tiles<T>(args, paged_prefill_kernel<Traits, T, Softcap::kOff>,
-                                     paged_prefill_kernel<Traits, T, Softcap::kRunningMax>,
-                                     paged_prefill_kernel<Traits, T, Softcap::kFixedMax>,
-                                     Traits::kBlockSmemBytes, Traits::kBlockThreads,
-                                     Traits::kBlockRows, stream, "paged_prefill_kernel");
+  using Traits = PrefillTraits<D, sizeof(KV)>;
+  // P is f16 over an FP8 cache: no fixed-max instantiation (variant.cuh, softcap_kernel).
+  using P = std::conditional_t<Traits::kFp8, __half, T>;
+  constexpr Softcap kBounded = Traits::kFp8 ? Softcap::kRunningMax : Softcap::kFixedMax;
+  auto launch = [&](auto e5m2) {
+    constexpr bool kE5M2 = decltype(e5m2)::value;
+    return launch_prefill_row_tiles<P>(
+        args, paged_prefill_kernel<Traits, T, KV, Softcap::kOff, kE5M2>,
+        paged_prefill_kernel<Traits, T, KV, Softcap::kRunningMax, kE5M2>,
+        paged_prefill_kernel<Traits, T, KV, kBounded, kE5M2>, Traits::kBlockSmemBytes,
+        Traits::kBlockThreads, Traits::kBlockRows, stream, "paged_prefill_kernel");
+  };
+  if constexpr (Traits::kFp8) {
+    if (args.base.kv_dtype == ScalarType::kFloat8E5M2) return launch(std::true_type{});
+  }
+  return launch(std::false_type{});
 }
 
 }  // namespace astrai::kernels

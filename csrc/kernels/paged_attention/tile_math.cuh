@@ -50,16 +50,17 @@ struct WarpSoftmaxState {
 // (asked after S, which keeps its operands out of registers during the multiplies). The scores
 // are transformed (scale, softcap: variant.cuh's ScoreTransform) before the mask.
 //
-// FP8 tiles (KV a byte, Traits::kFp8; decode; kE5M2: the bytes are e5m2, else e4m3): K and V
+// FP8 tiles (KV a byte, Traits::kFp8; kE5M2: the bytes are e5m2, else e4m3): K and V
 // are converted to f16 in registers (fp8_pair_to_f16x2) and both products run in f16, whatever
 // q's type: the query tile is f16 by then (query_tile_to_f16) and P is packed as f16 (it lies in
-// [0, 1]: the decode keeps the running max). An ldmatrix of FP8 rows read as 16-bit pairs gives a
-// thread 4 consecutive bytes of a K row, d = 4t .. 4t + 3 of a 16-byte chunk: they are the k16
+// [0, 1]: the running max, never the fixed one). An ldmatrix of FP8 rows read as 16-bit pairs gives
+// a thread 4 consecutive bytes of a K row, d = 4t .. 4t + 3 of a 16-byte chunk: they are the k16
 // step's B fragment if the step's k index 2t, 2t + 1 stands for d = 4t, 4t + 1 and 2t + 8, 2t + 9
 // for 4t + 2, 4t + 3; the query fragments (q_fragment) follow the same order
 // (load_fp8_query_fragment). For V the transposed ldmatrix gives bytes of two rows at d = 2g, 2g +
 // 1: the even d of a chunk make one n8 block of the output and the odd ones another, so O holds the
-// chunk's columns in the order fp8_output_column says (merge_warp_states stores them by it).
+// chunk's columns in the order fp8_output_column says (merge_warp_states and the prefill's
+// store write them by it). The converted K and V fragments serve every row block of the warp.
 template <typename Traits, typename T, typename KV, bool kE5M2 = false, bool kFixedMax = false,
           typename QFragment, typename NeedsMask, typename MaskScores>
 __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_tile, int warp_col0,
@@ -83,30 +84,34 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
       for (int e = 0; e < 4; ++e) s_acc[mi][nt][e] = 0.f;
 
   if constexpr (Traits::kFp8) {
-    static_assert(kMRep == 1 && D % 32 == 0, "FP8 tiles: decode rows, pairs of k16 steps");
+    static_assert(D % 32 == 0, "FP8 tiles: pairs of k16 steps");
     // ldmatrix.x4 matrix m (lanes 8m .. 8m + 7 give its rows): rows (m % 2) * 8 of a 16-row
     // step, chunk m / 2 of a pair of chunks.
     const int matrix = lane / 8;
 #pragma unroll
     for (int kp = 0; kp < D / 32; ++kp) {
-      uint32_t a_even[4], a_odd[4];
-      q_fragment(0, 2 * kp, a_even);
-      q_fragment(0, 2 * kp + 1, a_odd);
+      uint32_t a_even[kMRep][4], a_odd[kMRep][4];
+#pragma unroll
+      for (int mi = 0; mi < kMRep; ++mi) {
+        q_fragment(mi, 2 * kp, a_even[mi]);
+        q_fragment(mi, 2 * kp + 1, a_odd[mi]);
+      }
 #pragma unroll
       for (int nj = 0; nj < kWarpTileN / 16; ++nj) {
         uint32_t r[4];
         const int row = warp_col0 + nj * 16 + (matrix % 2) * 8 + (lane % 8);
         const int ch = 2 * kp + matrix / 2;
         ldmatrix_x4(shared_address(k_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
-        // r[i] holds 4 bytes of a row: elements 0, 1 are k 2t, 2t + 1 and 2, 3 are 2t + 8, 2t + 9.
-        mma_m16n8k16<__half>(s_acc[0][2 * nj], a_even, fp8_pair_to_f16x2<kE5M2, false>(r[0]),
-                             fp8_pair_to_f16x2<kE5M2, true>(r[0]));
-        mma_m16n8k16<__half>(s_acc[0][2 * nj + 1], a_even, fp8_pair_to_f16x2<kE5M2, false>(r[1]),
-                             fp8_pair_to_f16x2<kE5M2, true>(r[1]));
-        mma_m16n8k16<__half>(s_acc[0][2 * nj], a_odd, fp8_pair_to_f16x2<kE5M2, false>(r[2]),
-                             fp8_pair_to_f16x2<kE5M2, true>(r[2]));
-        mma_m16n8k16<__half>(s_acc[0][2 * nj + 1], a_odd, fp8_pair_to_f16x2<kE5M2, false>(r[3]),
-                             fp8_pair_to_f16x2<kE5M2, true>(r[3]));
+        // r[i] holds 4 bytes of a row: elements 0, 1 are k 2t, 2t + 1 and 2, 3 are 2t + 8, 2t + 9;
+        // r[0], r[1] the even k16 step of n8 blocks 2 nj, 2 nj + 1, r[2], r[3] the odd one.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t lo = fp8_pair_to_f16x2<kE5M2, false>(r[i]);
+          const uint32_t hi = fp8_pair_to_f16x2<kE5M2, true>(r[i]);
+#pragma unroll
+          for (int mi = 0; mi < kMRep; ++mi)
+            mma_m16n8k16<__half>(s_acc[mi][2 * nj + i % 2], i < 2 ? a_even[mi] : a_odd[mi], lo, hi);
+        }
       }
     }
   } else {
@@ -185,10 +190,13 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
         uint32_t even[4], odd[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) fp8_strided_pairs_to_f16x2<kE5M2>(r[i], even[i], odd[i]);
-        mma_m16n8k16<__half>(state.o[0][4 * dp], a[0], even[0], even[1]);
-        mma_m16n8k16<__half>(state.o[0][4 * dp + 1], a[0], odd[0], odd[1]);
-        mma_m16n8k16<__half>(state.o[0][4 * dp + 2], a[0], even[2], even[3]);
-        mma_m16n8k16<__half>(state.o[0][4 * dp + 3], a[0], odd[2], odd[3]);
+#pragma unroll
+        for (int mi = 0; mi < kMRep; ++mi) {
+          mma_m16n8k16<__half>(state.o[mi][4 * dp], a[mi], even[0], even[1]);
+          mma_m16n8k16<__half>(state.o[mi][4 * dp + 1], a[mi], odd[0], odd[1]);
+          mma_m16n8k16<__half>(state.o[mi][4 * dp + 2], a[mi], even[2], even[3]);
+          mma_m16n8k16<__half>(state.o[mi][4 * dp + 3], a[mi], odd[2], odd[3]);
+        }
       }
     } else {
 #pragma unroll

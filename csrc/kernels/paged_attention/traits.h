@@ -56,8 +56,8 @@ constexpr int kSharedMemoryReservedPerBlock = 1024;
 // kWarps_: warps of a group. 4, except the decode's eight-warp blocks (D = 128): one group of 8
 // warps, 16 kv positions of every tile each, as every decode group splits its tiles, so its tiles
 // are 128 positions; one block per SM, page ids from a ring in shared memory (kPageIdRing).
-// kKVBytes_: the cache's element size, 2 (q's 16-bit type) or 1 (FP8, dequantized in registers
-// by the decode: tile_math.cuh).
+// kKVBytes_: the cache's element size, 2 (q's 16-bit type) or 1 (FP8, dequantized in registers:
+// tile_math.cuh).
 template <int kHeadDim_, bool kDecode_, int kGroups_ = 1, int kWarps_ = 4, int kKVBytes_ = 2>
 struct PagedAttentionTraits {
   static constexpr int kHeadDim = kHeadDim_;
@@ -70,7 +70,7 @@ struct PagedAttentionTraits {
   static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;  // 16-byte chunks of a q row
   static constexpr int kKVBytes = kKVBytes_;
   static constexpr bool kFp8 = kKVBytes == 1;
-  static_assert(kKVBytes == 2 || (kKVBytes == 1 && kDecode_), "FP8 K/V tiles: decode only");
+  static_assert(kKVBytes == 2 || kKVBytes == 1, "16-bit or FP8 K/V tiles");
   static constexpr int kKVChunksPerRow = kHeadDim * kKVBytes / 16;  // of a K or V row
   static constexpr int kKVChunkElements = 16 / kKVBytes;
 
@@ -191,8 +191,8 @@ template <int kHeadDim, int kKVBytes = 2>
 using DecodePairTraits = PagedAttentionTraits<kHeadDim, true, 2, 4, kKVBytes>;
 template <int kHeadDim, int kKVBytes = 2>
 using DecodeEightWarpTraits = PagedAttentionTraits<kHeadDim, true, 1, 8, kKVBytes>;
-template <int kHeadDim>
-using PrefillTraits = PagedAttentionTraits<kHeadDim, false>;
+template <int kHeadDim, int kKVBytes = 2>
+using PrefillTraits = PagedAttentionTraits<kHeadDim, false, 1, 4, kKVBytes>;
 
 // Shared memory of the persistent decode block (decode_persistent_kernel.cuh): two query
 // buffers, the K and V stages and the page-id ring as the eight-warp block has them, then the
