@@ -6,9 +6,10 @@
     0.55x the bf16 time at B >= 16, L >= 4096, i.e. >= 90% of the copy rate; 0.6x at B=1,
     L=32768);
   - prefill (B=1 S=8192; a ragged batch with cached prefixes; B=1 S=8192 with its block table
-    padded to 8192 pages): FP8 vs bf16 (target: >= 1.0x), the FP8 call as the plan runs it
-    (pages dequantized first while that scratch stays within 256 MiB, plan.h) and with the
-    wgmma kernel reading the bytes (fp8_prefill=in_kernel).
+    padded to 8192 pages; B=1 S=8192 at D = 64, 96, 256): FP8 vs bf16 (target: >= 1.0x), the
+    FP8 call as the plan runs it (pages dequantized first while that scratch stays within 256
+    MiB, plan.h) and with a kernel reading the bytes (fp8_prefill=in_kernel: the wgmma prefill at
+    D = 128, the mma.sync one at the others).
 
 FlashInfer's FP8 decode is a peer of the main benchmark:
 `bench_attention.py --peers cuda_ps16,flashinfer_decode_fp8` (benchmarks/peers.py).
@@ -105,20 +106,26 @@ def main() -> int:
         del cache, fp8, call, base, fp8_call, fns
         harness.free_cached()
     mix = harness.ragged_mix(0, 8, (0, 4096), (256, 2048))
-    prefill_rows = (
-        ("B=1 S=8192", ([0], [8192]), 0),
-        ("ragged 8", mix, 0),
-        ("B=1 S=8192 W=8192", ([0], [8192]), 8192),  # a block table padded to 8192 pages
+    prefill_rows = (  # label, (prefixes, new tokens), padded block-table width, head dim
+        ("B=1 S=8192", ([0], [8192]), 0, D),
+        ("ragged 8", mix, 0, D),
+        ("B=1 S=8192 W=8192", ([0], [8192]), 8192, D),  # a block table padded to 8192 pages
+        # The other head dims: the warp-specialised prefill (D = 64, 256) reads dequantized
+        # pages only, so reading the bytes is the mma.sync prefill; D = 96 is mma.sync both ways.
+        ("B=1 S=8192 D=64", ([0], [8192]), 0, 64),
+        ("B=1 S=8192 D=96", ([0], [8192]), 0, 96),
+        ("B=1 S=8192 D=256", ([0], [8192]), 0, 256),
     )
-    for label, (prefixes, chunks), width in prefill_rows if args.only != "decode" else []:
+    rows_to_run = prefill_rows if args.only != "decode" else []
+    for label, (prefixes, chunks), width, head_dim in rows_to_run:
         lengths = [p + c for p, c in zip(prefixes, chunks)]
-        k = torch.randn(sum(lengths), HKV, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(sum(lengths), HKV, head_dim, dtype=torch.bfloat16, device="cuda")
         cache = harness.build_paged_cache(k, torch.randn_like(k), lengths, PAGE)
         if width:  # columns past every length: never read
             table = cache["block_table"]
             pad = torch.zeros(table.shape[0], width - table.shape[1], dtype=table.dtype)
             cache["block_table"] = torch.cat([table, pad.to(table.device)], dim=1)
-        q = torch.randn(sum(chunks), HQ, D, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(sum(chunks), HQ, head_dim, dtype=torch.bfloat16, device="cuda")
         call = dict(
             cache,
             query_start_loc=harness.query_start_loc(chunks, "cuda"),
@@ -135,7 +142,8 @@ def main() -> int:
         }
         times = timer.measure_interleaved(list(fns.values()))
         us = {name: t["ms"] * 1e3 for name, t in zip(fns, times)}
-        row = dict(kind="prefill", case=label, block_table_width=cache["block_table"].shape[1])
+        row = dict(kind="prefill", case=label, head_dim=head_dim)
+        row["block_table_width"] = cache["block_table"].shape[1]
         row.update(us=us, fp8_over_bf16=us["fp8"] / us["bf16"])
         row["fp8_in_kernel_over_bf16"] = us["fp8_in_kernel"] / us["bf16"]
         rows.append(row)
@@ -153,7 +161,7 @@ def main() -> int:
         f"# FP8 KV cache against bf16 (cuda backend): {env['gpu']}, {env['date']}",
         "",
         f"Command: `{env['command']}`; torch {env['torch']}, CUDA {env['cuda']}; Hq={HQ}, "
-        f"Hkv={HKV}, D={D}, page {PAGE}, shuffled pool, e4m3 with per-head scales; medians "
+        f"Hkv={HKV}, D={D} (unless a row says), page {PAGE}, shuffled pool, e4m3 with per-head scales; medians "
         f"of {args.repeats}, L2 emptied before each run, interleaved; copy "
         f"{copy_tbps:.2f} TB/s.",
         "",
@@ -180,7 +188,8 @@ def main() -> int:
             "",
             "Prefill: `fp8` as the plan runs it (pages dequantized first while that scratch, "
             "K and V of sequences x table width pages of bf16, stays within 256 MiB; beyond, "
-            "the wgmma kernel reads the bytes), `in kernel` forced (`fp8_prefill=in_kernel`).",
+            "a kernel reads the bytes), `in kernel` forced (`fp8_prefill=in_kernel`: the wgmma "
+            "prefill at D = 128, the mma.sync one at the other head dims).",
             "",
             "| call | table width | bf16 us | fp8 us | fp8 / bf16 | in kernel us | "
             "in kernel / bf16 |",

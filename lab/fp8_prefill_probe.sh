@@ -13,7 +13,7 @@ exec > >(tee "$OUT/session.log") 2>&1
 LIB=${LIB:-.devbuild/new}
 cp $LIB/_C.abi3.so astrai/_C.abi3.so && cat $LIB/REV
 timeout 120 python3 -m pytest -q -p no:cacheprovider -x -rfE tests/kernels/test_cuda_fp8.py \
-  -k "prefill and wgmma_in" >"$R/t_smoke.log" 2>&1
+  -k "prefill and in_kernel" >"$R/t_smoke.log" 2>&1
 rc=$?
 grep -E "FAILED|Error|assert" "$R/t_smoke.log" | head -20; tail -2 "$R/t_smoke.log"
 if [ $rc != 0 ]; then echo "smoke failed (rc=$rc): stopping"; exit 1; fi
@@ -40,7 +40,7 @@ done
 if [ "${SANITIZER:-1}" = 1 ]; then
   timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q \
     -p no:cacheprovider tests/kernels/test_cuda_fp8.py \
-    -k "fp8_prefill_with_cached_prefixes and wgmma_in_kernel-16-128" >"$R/racecheck.log" 2>&1
+    -k "fp8_prefill_with_cached_prefixes and in_kernel-16-128" >"$R/racecheck.log" 2>&1
   echo "racecheck rc=$?"; tail -2 "$R/racecheck.log"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
