@@ -329,7 +329,7 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(256, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
-            PrefillKernel::kMmaSync);
+            PrefillKernel::kWgmma);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, a100(), automatic).kernel,
             PrefillKernel::kMmaSync);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, a100(), automatic).kernel,
@@ -373,8 +373,12 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
   EXPECT_TRUE(first(128, h200(), automatic, 1));
   EXPECT_TRUE(first(128, h200(), automatic, kFp8ScratchLimitBytes));
   EXPECT_FALSE(first(128, h200(), automatic, kFp8ScratchLimitBytes + 1));
-  // The mma.sync prefill (D = 96 on the H200, every head dim on the A100) reads the bytes too.
+  // The mma.sync prefill (every head dim on the A100; D = 96 on the H200, whose wgmma kernel
+  // reads 16-bit tiles only there) reads the bytes too.
   EXPECT_FALSE(first(96, h200(), automatic, kFp8ScratchLimitBytes * 8));
+  EXPECT_EQ(
+      astrai::kernels::plan_paged_prefill(96, h200(), automatic, kFp8ScratchLimitBytes * 8).kernel,
+      PrefillKernel::kMmaSync);
   EXPECT_FALSE(first(128, a100(), automatic, kFp8ScratchLimitBytes * 8));
   EXPECT_TRUE(first(128, a100(), automatic, kFp8ScratchLimitBytes));
   // The warp-specialised prefill (D = 64, 256 on the H200) reads 16-bit pages only: within the

@@ -22,7 +22,8 @@ namespace astrai::kernels {
 //   decode_eight_warps   1 split as one block of 8 warps per SM (traits.h, kWarps)
 //   decode_persistent    one block per SM taking items in turn (decode_persistent_kernel.cuh)
 //   prefill_wgmma        prefill on Hopper's warpgroup multiply, every warp loading and
-//                        multiplying (prefill_wgmma_kernel.cuh; sm_90a builds)
+//                        multiplying (prefill_wgmma_kernel.cuh; sm_90a builds; head dims of
+//                        whole 32-element halves of column blocks)
 //   prefill_warp_specialized  the warp-specialised prefill on wgmma: a producer warpgroup, two
 //                        consumers taking turns (prefill_warp_specialized_kernel.cuh; sm_90a
 //                        builds; head dims of 64-element column blocks)
@@ -42,7 +43,7 @@ struct HeadDimForms {
 inline constexpr HeadDimForms kPagedHeadDims[] = {
     // BEGIN HEAD DIMS
     {64,  false, false, false, false, true},
-    {96,  false, false, false, false, false},
+    {96,  false, false, false, true,  false},
     {128, true,  true,  true,  true,  false},
     {256, false, false, false, false, true},
     // END HEAD DIMS

@@ -318,9 +318,11 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 // turns): at D = 64 1.18-1.20x the mma.sync kernel (B=4 S=4096 309 vs 262); at D = 128 0.91-0.96x
 // the first wgmma kernel (B=2 S=4096 GQA 343 vs 371, ragged 346 vs 378), and still 0.92-0.95x with
 // 96-wide tiles and its producer's row ring (B=2 S=4096 351 vs 371, ragged 353 vs 377;
-// lab/NOTES.md). So
-// config.h compiles the warp-specialised kernel at D = 64 and 256, the first at D = 128, and the
-// plan runs whichever is compiled.
+// lab/NOTES.md). At D = 96 (Phi-3's; rows of one and a half column blocks) the first wgmma kernel
+// ran 1.07-1.13x the mma.sync one (lab/prefill_kernel_ab.py --dims 96, one process: B=1 S=4096
+// Hkv=32 283 vs 256, B=1 S=8192 314 vs 284, ragged 287 vs 257, non-causal 312 vs 276). So
+// config.h compiles the warp-specialised kernel at D = 64 and 256, the first at D = 96 and 128,
+// and the plan runs whichever is compiled.
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                int64_t fp8_scratch_bytes) {
   PrefillPlan plan;
@@ -349,9 +351,9 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
     bool first = prefill_dequantizes_fp8_first(fp8_scratch_bytes);
     if (tuning.fp8_prefill != Fp8Prefill::kAuto)
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
-    // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one), the
-    // mma.sync prefill, which can on every GPU.
-    if (!first && !prefill_reads_fp8(plan.kernel)) plan.kernel = PrefillKernel::kMmaSync;
+    // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one, the
+    // wgmma one at D = 96), the mma.sync prefill, which can at every head dim on every GPU.
+    if (!first && !prefill_reads_fp8(plan.kernel, head_dim)) plan.kernel = PrefillKernel::kMmaSync;
     plan.dequantize_fp8_first = first;
   }
   return plan;

@@ -106,8 +106,10 @@ struct PrefillPlan {
 // shared memory, the mma.sync prefill its fragments in registers); the warp-specialised one reads
 // only 16-bit pages. config.h's kv kinds and generate_instantiations.py's FP8 families say the
 // same.
-constexpr bool prefill_reads_fp8(PrefillKernel kernel) {
-  return kernel == PrefillKernel::kWgmma || kernel == PrefillKernel::kMmaSync;
+// The wgmma prefill's FP8 tiles are rows of whole 128-byte swizzle rows (D a multiple of 128).
+constexpr bool prefill_reads_fp8(PrefillKernel kernel, int head_dim) {
+  return kernel == PrefillKernel::kMmaSync ||
+         (kernel == PrefillKernel::kWgmma && head_dim % 128 == 0);
 }
 
 // Decode items: (sequence, kv head, row tile of 16 query rows) triples.

@@ -196,21 +196,13 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillTraits<D, sizeof(KV)>;
-  // P is f16 over an FP8 cache: no fixed-max instantiation (variant.cuh, softcap_kernel).
-  using P = std::conditional_t<Traits::kFp8, __half, T>;
-  constexpr Softcap kBounded = Traits::kFp8 ? Softcap::kRunningMax : Softcap::kFixedMax;
-  auto launch = [&](auto e5m2) {
-    constexpr bool kE5M2 = decltype(e5m2)::value;
-    return launch_prefill_row_tiles<P>(
-        args, paged_prefill_kernel<Traits, T, KV, Softcap::kOff, kE5M2>,
-        paged_prefill_kernel<Traits, T, KV, Softcap::kRunningMax, kE5M2>,
-        paged_prefill_kernel<Traits, T, KV, kBounded, kE5M2>, Traits::kBlockSmemBytes,
-        Traits::kBlockThreads, Traits::kBlockRows, stream, "paged_prefill_kernel");
-  };
-  if constexpr (Traits::kFp8) {
-    if (args.base.kv_dtype == ScalarType::kFloat8E5M2) return launch(std::true_type{});
-  }
-  return launch(std::false_type{});
+  return launch_prefill<T, Traits::kFp8>(
+      args,
+      [](auto softcap, auto e5m2) {
+        return paged_prefill_kernel<Traits, T, KV, decltype(softcap)::value, decltype(e5m2)::value>;
+      },
+      Traits::kBlockSmemBytes, Traits::kBlockThreads, Traits::kBlockRows, stream,
+      "paged_prefill_kernel");
 }
 
 }  // namespace astrai::kernels

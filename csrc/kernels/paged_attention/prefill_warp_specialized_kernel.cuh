@@ -321,11 +321,13 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = PrefillWarpSpecializedTraits<D>;
-  return launch_prefill_row_tiles<T>(
-      args, paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kOff>,
-      paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kRunningMax>,
-      paged_prefill_warp_specialized_kernel<Traits, T, Softcap::kFixedMax>, Traits::kSmemBytes,
-      Traits::kBlockThreads, Traits::kBlockRows, stream, "paged_prefill_warp_specialized_kernel");
+  return launch_prefill<T, /*kFp8=*/false>(
+      args,
+      [](auto softcap, auto) {
+        return paged_prefill_warp_specialized_kernel<Traits, T, decltype(softcap)::value>;
+      },
+      Traits::kSmemBytes, Traits::kBlockThreads, Traits::kBlockRows, stream,
+      "paged_prefill_warp_specialized_kernel");
 }
 
 }  // namespace astrai::kernels

@@ -62,9 +62,14 @@ struct PrefillWgmmaTraits {
   static constexpr int kThreads = kWarpGroups * 128;
   static constexpr int kGroups = 1;  // the K/V loader's barriers span the whole block
   static constexpr int kBlockRows = kWarpGroups * 64;  // 64 rows per warpgroup (wgmma's M)
+  // Rows of whole 64-element column blocks (128 bytes, the swizzle's): D = 96 leaves half of its
+  // second block unused, and the multiplies never read it (k steps of 16, N = D).
+  static constexpr int kPaddedHeadDim = (kHeadDim + 63) / 64 * 64;
   // kv positions per tile (S's N), see top; D = 64 multiplies half as much per tile, so it takes
-  // wider tiles to carry each tile's fixed work (the barrier, the copies' issue).
-  static constexpr int kTileN = kHeadDim == 64 ? 128 : 96;
+  // wider tiles to carry each tile's fixed work (the barrier, the copies' issue). D = 96: 12
+  // chunks a row, so the 256 threads copy tiles of a multiple of 64 rows; 128-wide (52-72 bytes
+  // of spills) ran 1.03-1.06x the speed of 64-wide (none) (H200, lab/NOTES.md version 23).
+  static constexpr int kTileN = kHeadDim == 64 || kHeadDim == 96 ? 128 : 96;
   // 16-bit tiles: tile t in use, t + 1 landed, t + 2 in flight. FP8 bytes: V of tile t + 1 and
   // tile t + 2 being converted, t + 3 in flight.
   static constexpr int kStages = 3;
@@ -82,14 +87,16 @@ struct PrefillWgmmaTraits {
   static constexpr int kKVChunkElements = 16 / kKVBytes;
   static constexpr bool kPageIdRing = false;  // page ids into registers (kv_tile_loader.cuh)
   static constexpr int kPageIdSlots = 0;
-  static constexpr int kTileElements = kTileN * kHeadDim;  // of a stage, and of a converted tile
-  static constexpr int kQElements = kBlockRows * kHeadDim;
+  // A stage, in the cache's elements (FP8 bytes in rows of D), and a tile the multiplies read.
+  static constexpr int kTileElements = kTileN * (kFp8 ? kHeadDim : kPaddedHeadDim);
+  static constexpr int kMultipliedTileElements = kTileN * kPaddedHeadDim;
+  static constexpr int kQElements = kBlockRows * kPaddedHeadDim;
   static constexpr int kConvertedSlots = kFp8 ? 2 : 0;  // f16 tiles of K (and of V) from FP8
   // + 1024: the tiles start on the first 1024-byte boundary of the dynamic shared memory.
-  static constexpr int kSmemBytes = kQElements * kElementBytes +
-                                    2 * kStages * kTileElements * kKVBytes +
-                                    2 * kConvertedSlots * kTileElements * kElementBytes + 1024;
-  static_assert(kHeadDim % 64 == 0, "column blocks of 64 elements");
+  static constexpr int kSmemBytes =
+      kQElements * kElementBytes + 2 * kStages * kTileElements * kKVBytes +
+      2 * kConvertedSlots * kMultipliedTileElements * kElementBytes + 1024;
+  static_assert(kHeadDim % 32 == 0, "k steps of 16 in whole halves of column blocks");
   static_assert(!kFp8 || kHeadDim % 128 == 0, "FP8 rows of whole 128-byte swizzle rows");
   static_assert((kTileElements * kKVBytes) % 1024 == 0, "stages on 1024-byte boundaries");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
@@ -123,7 +130,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   KV* k_smem = reinterpret_cast<KV*>(smem + Traits::kQElements * Traits::kElementBytes);
   KV* v_smem = k_smem + kStages * Traits::kTileElements;
   M* k_converted = reinterpret_cast<M*>(v_smem + kStages * Traits::kTileElements);  // FP8
-  M* v_converted = k_converted + Traits::kConvertedSlots * Traits::kTileElements;
+  M* v_converted = k_converted + Traits::kConvertedSlots * Traits::kMultipliedTileElements;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -178,13 +185,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // cache the converted slots (tile t in slot t % 2).
   auto k_tile = [&](int tile) -> uint32_t {
     if constexpr (kFp8)
-      return shared_address(k_converted + (tile % 2) * Traits::kTileElements);
+      return shared_address(k_converted + (tile % 2) * Traits::kMultipliedTileElements);
     else
       return shared_address(k_smem + (tile % kStages) * Traits::kTileElements);
   };
   auto v_tile = [&](int tile) -> uint32_t {
     if constexpr (kFp8)
-      return shared_address(v_converted + (tile % 2) * Traits::kTileElements);
+      return shared_address(v_converted + (tile % 2) * Traits::kMultipliedTileElements);
     else
       return shared_address(v_smem + (tile % kStages) * Traits::kTileElements);
   };
@@ -192,7 +199,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto convert = [&](int tile, bool kV) {
     if constexpr (kFp8) {
       const KV* staged = (kV ? v_smem : k_smem) + (tile % kStages) * Traits::kTileElements;
-      M* slot = (kV ? v_converted : k_converted) + (tile % 2) * Traits::kTileElements;
+      M* slot = (kV ? v_converted : k_converted) + (tile % 2) * Traits::kMultipliedTileElements;
       fp8_tile_to_f16<D, kTileN, kThreads, kE5M2>(staged, slot, tid);
     }
   };
@@ -300,22 +307,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t stream) {
-  using Traits = PrefillWgmmaTraits<D, sizeof(KV)>;
-  // P is f16 over an FP8 cache: no fixed-max instantiation (variant.cuh, softcap_kernel).
-  using M = std::conditional_t<Traits::kFp8, __half, T>;
-  constexpr Softcap kBounded = Traits::kFp8 ? Softcap::kRunningMax : Softcap::kFixedMax;
-  auto launch = [&](auto e5m2) {
-    constexpr bool kE5M2 = decltype(e5m2)::value;
-    return launch_prefill_row_tiles<M>(
-        args, paged_prefill_wgmma_kernel<Traits, T, KV, Softcap::kOff, kE5M2>,
-        paged_prefill_wgmma_kernel<Traits, T, KV, Softcap::kRunningMax, kE5M2>,
-        paged_prefill_wgmma_kernel<Traits, T, KV, kBounded, kE5M2>, Traits::kSmemBytes,
-        Traits::kThreads, Traits::kBlockRows, stream, "paged_prefill_wgmma_kernel");
-  };
-  if constexpr (Traits::kFp8) {
-    if (args.base.kv_dtype == ScalarType::kFloat8E5M2) return launch(std::true_type{});
+  if constexpr (sizeof(KV) == 1 && !prefill_reads_fp8(PrefillKernel::kWgmma, D)) {
+    return {"prefill: the wgmma kernel reads FP8 pages at head dims of whole 128-byte rows only"};
+  } else {
+    using Traits = PrefillWgmmaTraits<D, sizeof(KV)>;
+    return launch_prefill<T, Traits::kFp8>(
+        args,
+        [](auto softcap, auto e5m2) {
+          return paged_prefill_wgmma_kernel<Traits, T, KV, decltype(softcap)::value,
+                                            decltype(e5m2)::value>;
+        },
+        Traits::kSmemBytes, Traits::kThreads, Traits::kBlockRows, stream,
+        "paged_prefill_wgmma_kernel");
   }
-  return launch(std::false_type{});
 }
 
 }  // namespace astrai::kernels

@@ -117,7 +117,7 @@ LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedA
 
 // Host: launches a prefill kernel compiled per softcap kind, the one the call needs (variant.cuh,
 // softcap_kernel), over row tiles of block_rows packed rows (max_query_len x group rows per
-// sequence): every prefill's launcher. T: P's type in the P V multiply (bf16 allows the fixed
+// sequence), for launch_prefill below. T: P's type in the P V multiply (bf16 allows the fixed
 // max).
 template <typename T, typename Kernel>
 LaunchStatus launch_prefill_row_tiles(const PagedKernelArgs& args, Kernel softcap_off,
@@ -138,6 +138,28 @@ LaunchStatus launch_prefill_row_tiles(const PagedKernelArgs& args, Kernel softca
   if (!prepared.ok()) return prepared;
   kernel<<<grid, threads, smem_bytes, stream>>>(args);
   return status_after_launch(name);
+}
+
+// Host: every prefill's launcher over launch_prefill_row_tiles, for a kernel compiled per softcap
+// kind and, over an FP8 cache (kFp8), per format: kernel_for(softcap, e5m2) names the
+// instantiation (both std::integral_constant). P is f16 over an FP8 cache (its fragments are
+// f16), so that cache has no fixed-max instantiation: the running max takes its place.
+template <typename T, bool kFp8, typename KernelFor>
+LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for, int smem_bytes,
+                            int threads, int block_rows, cudaStream_t stream, const char* name) {
+  using P = std::conditional_t<kFp8, __half, T>;
+  constexpr Softcap kBounded = kFp8 ? Softcap::kRunningMax : Softcap::kFixedMax;
+  auto launch = [&](auto e5m2) {
+    return launch_prefill_row_tiles<P>(
+        args, kernel_for(std::integral_constant<Softcap, Softcap::kOff>{}, e5m2),
+        kernel_for(std::integral_constant<Softcap, Softcap::kRunningMax>{}, e5m2),
+        kernel_for(std::integral_constant<Softcap, kBounded>{}, e5m2), smem_bytes, threads,
+        block_rows, stream, name);
+  };
+  if constexpr (kFp8) {
+    if (args.base.kv_dtype == ScalarType::kFloat8E5M2) return launch(std::true_type{});
+  }
+  return launch(std::false_type{});
 }
 
 }  // namespace astrai::kernels
