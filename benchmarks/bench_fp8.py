@@ -161,8 +161,8 @@ def main() -> int:
         f"# FP8 KV cache against bf16 (cuda backend): {env['gpu']}, {env['date']}",
         "",
         f"Command: `{env['command']}`; torch {env['torch']}, CUDA {env['cuda']}; Hq={HQ}, "
-        f"Hkv={HKV}, D={D} (unless a row says), page {PAGE}, shuffled pool, e4m3 with per-head scales; medians "
-        f"of {args.repeats}, L2 emptied before each run, interleaved; copy "
+        f"Hkv={HKV}, D={D} (unless a row says), page {PAGE}, shuffled pool, e4m3 with per-head "
+        f"scales; medians of {args.repeats}, L2 emptied before each run, interleaved; copy "
         f"{copy_tbps:.2f} TB/s.",
         "",
         "| call | bf16 us | fp8 us | fp8 / bf16 | fp8 TB/s (of copy) |",
