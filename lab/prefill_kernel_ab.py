@@ -7,7 +7,7 @@ kernels of the same build compare without a second library.
 
 Columns: astrai[<tuning>] for each tuning, flashinfer_fa3 (when importable), sdpa_cudnn. Rows:
 causal B x S at D = 128 (Hq 32, Hkv 8), the ragged mix of bench_attention, D = 64 and 256 (Hq 16,
-Hkv 4), one non-causal row. Not a benchmark of record: bench_attention.py is.
+Hkv 4), D = 96 (--dims 96), one non-causal row. Not a benchmark of record: bench_attention.py is.
 """
 
 import argparse
@@ -55,6 +55,12 @@ def shapes(dims, quick):
         rows.append(("square", 4, 4096, 16, 4, 64, True))
     if 256 in dims:
         rows.append(("square", 2, 4096, 16, 4, 256, True))
+    if 96 in dims:  # Phi-3's head dim (Hq = Hkv = 32 there), and the D = 128 rows' GQA
+        rows.append(("square", 1, 4096, 32, 32, 96, True))
+        rows.append(("square", 2, 4096, 32, 8, 96, True))
+        rows.append(("square", 1, 8192, 32, 8, 96, True))
+        rows.append(("ragged", 8, None, 32, 8, 96, True))
+        rows.append(("square", 2, 4096, 32, 8, 96, False))
     return rows
 
 
