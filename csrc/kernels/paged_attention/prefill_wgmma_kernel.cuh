@@ -68,7 +68,7 @@ struct PrefillWgmmaTraits {
   // kv positions per tile (S's N), see top; D = 64 multiplies half as much per tile, so it takes
   // wider tiles to carry each tile's fixed work (the barrier, the copies' issue). D = 96: 12
   // chunks a row, so the 256 threads copy tiles of a multiple of 64 rows; 128-wide (52-72 bytes
-  // of spills) ran 1.03-1.06x the speed of 64-wide (none) (H200, lab/NOTES.md version 23).
+  // of spills) ran 1.04-1.08x the speed of 64-wide (none) (H200, lab/NOTES.md version 23).
   static constexpr int kTileN = kHeadDim == 64 || kHeadDim == 96 ? 128 : 96;
   // 16-bit tiles: tile t in use, t + 1 landed, t + 2 in flight. FP8 bytes: V of tile t + 1 and
   // tile t + 2 being converted, t + 3 in flight.
