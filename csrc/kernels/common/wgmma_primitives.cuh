@@ -46,6 +46,15 @@ __device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t shared_byte_add
   return d;
 }
 
+// The descriptor of a matrix `bytes` (a multiple of 16) further on in shared memory: the start
+// address field (bits 0-13, 16-byte units) of a shared address below 256 KB never carries out of
+// the low word, so a 32-bit add there replaces the mask, shift and or of swizzled_descriptor for
+// every k step (one integer add instead of five).
+__device__ __forceinline__ uint64_t advance_descriptor(uint64_t descriptor, uint32_t bytes) {
+  const uint32_t low = static_cast<uint32_t>(descriptor) + (bytes >> 4);
+  return (descriptor & 0xFFFFFFFF00000000ull) | low;
+}
+
 // m64nNk16, fp32 accumulators d[N / 2] per thread. both_from_shared: A and B K-major in shared
 // memory (S = Q K^T). a_from_registers: A in registers, B MN-major in shared memory (O += P V).
 // accumulate = 0 overwrites d, 1 adds to it. Issued asynchronously: see the fences below.

@@ -31,14 +31,14 @@ namespace astrai::kernels {
 template <typename T, int D, int kTileN, int kBlockRows>
 __device__ __forceinline__ void issue_scores(float (&s)[kTileN / 2], uint32_t q_rows,
                                              uint32_t k_tile) {
+  const uint64_t q_first = swizzled_descriptor(q_rows, 16, 1024);
+  const uint64_t k_first = swizzled_descriptor(k_tile, 16, 1024);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const uint32_t k_bytes = (ks % 4) * 32;  // k16 slice inside the 128-byte rows
-    const uint64_t desc_q =
-        swizzled_descriptor(q_rows + (ks / 4) * kBlockRows * 128 + k_bytes, 16, 1024);
-    const uint64_t desc_k =
-        swizzled_descriptor(k_tile + (ks / 4) * kTileN * 128 + k_bytes, 16, 1024);
+    const uint64_t desc_q = advance_descriptor(q_first, (ks / 4) * kBlockRows * 128 + k_bytes);
+    const uint64_t desc_k = advance_descriptor(k_first, (ks / 4) * kTileN * 128 + k_bytes);
     WgmmaM64<T, kTileN>::both_from_shared(s, desc_q, desc_k, ks > 0 ? 1 : 0);
   }
   wgmma_commit();
@@ -50,11 +50,12 @@ template <typename T, int D, int kTileN>
 __device__ __forceinline__ void issue_output_update(float (&o)[D / 2],
                                                     const uint32_t (&p_frag)[kTileN / 16][4],
                                                     uint32_t v_tile) {
+  const uint64_t v_first = swizzled_descriptor(v_tile, kTileN * 128, 1024);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kTileN / 16; ++kk) {
     // k = kv rows 16 kk .. 16 kk + 15: two 8-row atoms; n = d across the column blocks.
-    const uint64_t desc_v = swizzled_descriptor(v_tile + kk * 16 * 128, kTileN * 128, 1024);
+    const uint64_t desc_v = advance_descriptor(v_first, kk * 16 * 128);
     WgmmaM64<T, D>::a_from_registers(o, p_frag[kk], desc_v, 1);
   }
   wgmma_commit();
