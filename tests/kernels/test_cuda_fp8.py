@@ -297,6 +297,23 @@ def test_fp8_prefill_dequantizes_first_only_within_the_scratch_limit(
     assert_matches(out, ref)
 
 
+@pytest.mark.parametrize("way", PREFILL_WAYS)
+def test_fp8_prefill_with_an_empty_block_table_does_what_a_16_bit_cache_does(way, tuning):
+    """A block table of width 0 (no page to read, the lengths past it): every way of reading an
+    FP8 cache returns what the same call over the 16-bit cache returns (the plan must not take an
+    FP8 call with no scratch to dequantize for a 16-bit one), NaN where that is NaN."""
+    tuning(PREFILL_WAYS[way])
+    g = torch.Generator(device="cuda").manual_seed(31)
+    inner = PagedBatch([40, 7], [40, 7], 8, 2, 96, 16, torch.bfloat16, generator=g)
+    batch = Fp8Batch(inner, torch.float8_e4m3fn, g)
+    empty = torch.zeros(2, 0, dtype=torch.int32, device="cuda")
+    batch.block_table = inner.block_table = empty
+    out, _ = run(batch, False)
+    expected, _ = run_variant(inner, inner.q, False, 1.0 / math.sqrt(96), -1, 0.0, None)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected))
+    assert torch.equal(torch.nan_to_num(out), torch.nan_to_num(expected))
+
+
 def test_fp8_prefill_with_a_bad_page_id_poisons_only_its_sequence():
     g = torch.Generator(device="cuda").manual_seed(5)
     inner = PagedBatch([700, 900], [50, 30], 8, 2, 128, 16, torch.bfloat16, generator=g)
