@@ -150,12 +150,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   loader.prescan_page_ids();
 
   // FP8: the kv head's k scale folds into the score scale, its v scale into each output row.
-  float k_scale = 1.f, v_scale = 1.f;
-  if constexpr (Traits::kFp8) {
-    k_scale = p.k_scale[kv_head];
-    v_scale = p.v_scale[kv_head];
-  }
-  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale);
+  const KvScales scales = kv_head_scales<Traits::kFp8>(p, kv_head);
+  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * scales.k);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
@@ -174,7 +170,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
         const float restore = query_tile_to_f16<kBlockRows, kChunks, kThreads>(
             q_smem, tid, [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); },
             sync_group);
-        transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale * restore);
+        transform = score_transform<kSoftcap>(p, args.scale_log2 * scales.k * restore);
       }
     }
     if constexpr (Traits::kQInRegisters) {
@@ -295,7 +291,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     const int head = kv_head * group + row;
     if (args.num_splits == 1 || pair_merge) {
       const FinishedRow finished = finish_row(item_m[i], item_l[i], sink_log2(p, head));
-      const float inv = finished.inv * v_scale;
+      const float inv = finished.inv * scales.v;
       T* dst = out + seq_index * p.out_stride_token + head * p.out_stride_head + c;
       uint2 packed;
       packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
@@ -305,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     } else {
       // The sink joins once, in the merge kernel.
       const FinishedRow finished = finish_row(item_m[i], item_l[i], -INFINITY);
-      const float inv = finished.inv * v_scale;
+      const float inv = finished.inv * scales.v;
       const int64_t index = ((int64_t)split * p.num_tokens + seq_index) * p.num_q_heads + head;
       *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);

@@ -102,11 +102,10 @@ struct PrefillPlan {
   bool dequantize_fp8_first = false;
   std::string error;
 };
-// Whether the kernel reads an FP8 cache's bytes itself (the wgmma prefill converts its tiles in
-// shared memory, the mma.sync prefill its fragments in registers); the warp-specialised one reads
-// only 16-bit pages. config.h's kv kinds and generate_instantiations.py's FP8 families say the
-// same.
-// The wgmma prefill's FP8 tiles are rows of whole 128-byte swizzle rows (D a multiple of 128).
+// Whether the kernel reads an FP8 cache's bytes itself at this head dim: the mma.sync prefill
+// converts its fragments in registers, the wgmma prefill its tiles in shared memory (rows of whole
+// 128-byte swizzle rows: D a multiple of 128); the warp-specialised one reads only 16-bit pages.
+// config.h's kv kinds and generate_instantiations.py's FP8 families say the same.
 constexpr bool prefill_reads_fp8(PrefillKernel kernel, int head_dim) {
   return kernel == PrefillKernel::kMmaSync ||
          (kernel == PrefillKernel::kWgmma && head_dim % 128 == 0);

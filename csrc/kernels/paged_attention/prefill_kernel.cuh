@@ -113,12 +113,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   }
 
   // FP8: the kv head's k scale folds into the score scale, its v scale into each output row.
-  float k_scale = 1.f, v_scale = 1.f;
-  if constexpr (kFp8) {
-    k_scale = p.k_scale[kv_head];
-    v_scale = p.v_scale[kv_head];
-  }
-  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale);
+  const KvScales scales = kv_head_scales<kFp8>(p, kv_head);
+  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * scales.k);
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int next = tile + kStages - 1;
@@ -134,7 +130,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
         __shared__ float warp_largest[kThreads / 32];
         const float restore = query_tile_to_f16<kBlockRows, kChunks, kThreads>(
             q_smem, tid, q_offset, [] { __syncthreads(); }, warp_largest);
-        transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale * restore);
+        transform = score_transform<kSoftcap>(p, args.scale_log2 * scales.k * restore);
       }
     }
 
@@ -171,7 +167,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
       const FinishedRow finished =
           finish_row(state.row_max[mi][half], poison_sum(state.row_sum[mi][half], poisoned),
                      sink_log2(p, head));
-      const float inv = finished.inv * v_scale;
+      const float inv = finished.inv * scales.v;
       T* dst = out + token * p.out_stride_token + head * p.out_stride_head;
       const float (&o)[D / 8][4] = state.o[mi];
       if constexpr (kFp8) {

@@ -206,12 +206,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // FP8: the kv head's k scale folds into the score scale, its v scale into each output row;
   // a bf16 query scaled into f16's range adds its power of two to the score scale.
-  float k_scale = 1.f, v_scale = 1.f;
-  if constexpr (kFp8) {
-    k_scale = p.k_scale[kv_head];
-    v_scale = p.v_scale[kv_head];
-  }
-  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale);
+  const KvScales scales = kv_head_scales<kFp8>(p, kv_head);
+  ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * scales.k);
   // This warpgroup's 64 rows of the Q tile: 64 rows x 128 bytes into each column block.
   const uint32_t q_rows = shared_address(q_smem) + warpgroup * 64 * 128;
 
@@ -227,7 +223,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         __shared__ float warp_largest[kThreads / 32];
         const float q_restore = query_tile_to_f16<kBlockRows, kChunks, kThreads>(
             q_smem, tid, q_offset, [] { __syncthreads(); }, warp_largest);
-        transform = score_transform<kSoftcap>(p, args.scale_log2 * k_scale * q_restore);
+        transform = score_transform<kSoftcap>(p, args.scale_log2 * scales.k * q_restore);
       }
       convert(0, false);
       convert(0, true);
@@ -299,7 +295,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Every warpgroup read every tile: a page outside the pool poisons all of the block's rows.
   const bool poisoned = __syncthreads_or(loader.poisoned) || seq.poisoned;
   store_finished_rows<T, D>(p, seq, kv_head, row0 + warp * 16 + lane_row, lane_col, o_acc, row_max,
-                            row_sum, transform, poisoned, v_scale);
+                            row_sum, transform, poisoned, scales.v);
 #else
   __trap();  // built without sm_90a: the plan never chooses this (plan_paged_prefill)
 #endif

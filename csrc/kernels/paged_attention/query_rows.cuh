@@ -115,20 +115,30 @@ LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedA
   return {};
 }
 
-// Host: launches a prefill kernel compiled per softcap kind, the one the call needs (variant.cuh,
-// softcap_kernel), over row tiles of block_rows packed rows (max_query_len x group rows per
-// sequence), for launch_prefill below. T: P's type in the P V multiply (bf16 allows the fixed
-// max).
-template <typename T, typename Kernel>
-LaunchStatus launch_prefill_row_tiles(const PagedKernelArgs& args, Kernel softcap_off,
-                                      Kernel softcap_running_max, Kernel softcap_fixed_max,
-                                      int smem_bytes, int threads, int block_rows,
-                                      cudaStream_t stream, const char* name) {
-  const Softcap softcap = softcap_kernel(args.base.softcap, std::is_same_v<T, __nv_bfloat16>,
-                                         /*fixed_max_allowed=*/true);
-  const Kernel kernel = softcap == Softcap::kOff          ? softcap_off
-                        : softcap == Softcap::kRunningMax ? softcap_running_max
-                                                          : softcap_fixed_max;
+// Host: every prefill's launcher. kernel_for(softcap, e5m2) names an instantiation (both
+// std::integral_constant); it launches the one the call needs, by its softcap kind (variant.cuh,
+// softcap_kernel) and, over an FP8 cache (kFp8), its format, over row tiles of block_rows packed
+// rows (max_query_len x group rows per sequence). P is f16 over an FP8 cache (its fragments are
+// f16), so that cache has no fixed-max instantiation: the running max takes its place.
+template <typename T, bool kFp8, typename KernelFor>
+LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for, int smem_bytes,
+                            int threads, int block_rows, cudaStream_t stream, const char* name) {
+  const Softcap softcap =
+      softcap_kernel(args.base.softcap, !kFp8 && std::is_same_v<T, __nv_bfloat16>,
+                     /*fixed_max_allowed=*/true);
+  auto pick = [&](auto e5m2) {
+    if constexpr (!kFp8) {
+      if (softcap == Softcap::kFixedMax)
+        return kernel_for(std::integral_constant<Softcap, Softcap::kFixedMax>{}, e5m2);
+    }
+    if (softcap == Softcap::kRunningMax)
+      return kernel_for(std::integral_constant<Softcap, Softcap::kRunningMax>{}, e5m2);
+    return kernel_for(std::integral_constant<Softcap, Softcap::kOff>{}, e5m2);
+  };
+  auto kernel = pick(std::false_type{});
+  if constexpr (kFp8) {
+    if (args.base.kv_dtype == ScalarType::kFloat8E5M2) kernel = pick(std::true_type{});
+  }
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
   const int64_t rows = (int64_t)args.max_query_len * group;
   if (rows > INT32_MAX) return {"max_query_len * group size too large"};
@@ -138,28 +148,6 @@ LaunchStatus launch_prefill_row_tiles(const PagedKernelArgs& args, Kernel softca
   if (!prepared.ok()) return prepared;
   kernel<<<grid, threads, smem_bytes, stream>>>(args);
   return status_after_launch(name);
-}
-
-// Host: every prefill's launcher over launch_prefill_row_tiles, for a kernel compiled per softcap
-// kind and, over an FP8 cache (kFp8), per format: kernel_for(softcap, e5m2) names the
-// instantiation (both std::integral_constant). P is f16 over an FP8 cache (its fragments are
-// f16), so that cache has no fixed-max instantiation: the running max takes its place.
-template <typename T, bool kFp8, typename KernelFor>
-LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for, int smem_bytes,
-                            int threads, int block_rows, cudaStream_t stream, const char* name) {
-  using P = std::conditional_t<kFp8, __half, T>;
-  constexpr Softcap kBounded = kFp8 ? Softcap::kRunningMax : Softcap::kFixedMax;
-  auto launch = [&](auto e5m2) {
-    return launch_prefill_row_tiles<P>(
-        args, kernel_for(std::integral_constant<Softcap, Softcap::kOff>{}, e5m2),
-        kernel_for(std::integral_constant<Softcap, Softcap::kRunningMax>{}, e5m2),
-        kernel_for(std::integral_constant<Softcap, kBounded>{}, e5m2), smem_bytes, threads,
-        block_rows, stream, name);
-  };
-  if constexpr (kFp8) {
-    if (args.base.kv_dtype == ScalarType::kFloat8E5M2) return launch(std::true_type{});
-  }
-  return launch(std::false_type{});
 }
 
 }  // namespace astrai::kernels

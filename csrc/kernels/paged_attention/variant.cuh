@@ -186,6 +186,22 @@ __host__ __device__ inline Softcap softcap_kernel(float softcap, bool bf16_weigh
   return fixed_max_allowed && bounded ? Softcap::kFixedMax : Softcap::kRunningMax;
 }
 
+// An FP8 cache's scales for one kv head (1 for a 16-bit cache): the k scale folds into the score
+// scale (score_transform's scale_log2), the v scale multiplies each output row.
+struct KvScales {
+  float k = 1.f;
+  float v = 1.f;
+};
+template <bool kFp8>
+__device__ __forceinline__ KvScales kv_head_scales(const PagedAttentionParams& p, int kv_head) {
+  KvScales scales;
+  if constexpr (kFp8) {
+    scales.k = p.k_scale[kv_head];
+    scales.v = p.v_scale[kv_head];
+  }
+  return scales;
+}
+
 template <Softcap kSoftcap>
 __device__ __forceinline__ ScoreTransform score_transform(const PagedAttentionParams& p,
                                                           float scale_log2) {
