@@ -3,9 +3,7 @@
 # .devbuild/ab/libs.tar.xz), the D = 96 prefill tests, then lab/prefill_kernel_ab.py at D = 96
 # (the mma.sync and wgmma kernels of that library and cuDNN, interleaved per shape).
 set -u
-[ -f .devbuild/ab/libs.tar.xz ] && tar -xJf .devbuild/ab/libs.tar.xz -C .devbuild
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-exec > >(tee "$OUT/session.log") 2>&1
+source lab/device_prelude.sh
 for lib in ${LIBS:-new}; do
   cp .devbuild/$lib/_C.abi3.so astrai/_C.abi3.so && echo "== $lib: $(cat .devbuild/$lib/REV)"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -n 5 tests/kernels/test_cuda_kernels.py \

@@ -3,9 +3,7 @@
 # $LIBS (dirs under .devbuild, each with _C.abi3.so and REV), one process per library, FP8 against
 # bf16 interleaved inside it; then the smoke tests of the first library.
 set -u
-[ -f .devbuild/ab/libs.tar.xz ] && tar -xJf .devbuild/ab/libs.tar.xz -C .devbuild
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-exec > >(tee "$OUT/session.log") 2>&1
+source lab/device_prelude.sh
 for lib in ${LIBS:-new}; do
   cp .devbuild/$lib/_C.abi3.so astrai/_C.abi3.so && echo "== $lib: $(cat .devbuild/$lib/REV)"
   mkdir -p "$OUT/$lib"

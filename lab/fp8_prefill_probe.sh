@@ -5,11 +5,9 @@
 #   $LIB/_C.abi3.so (default .devbuild/new)  the library under test
 # Env: TESTS=0, SANITIZER=0, BENCH=0 skip a phase; BENCH_OUT for the record (default $OUT/bench).
 set -u
-[ -f .devbuild/ab/libs.tar.xz ] && tar -xJf .devbuild/ab/libs.tar.xz -C .devbuild
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source lab/device_prelude.sh
 R=$OUT/r
 mkdir -p "$R"
-exec > >(tee "$OUT/session.log") 2>&1
 LIB=${LIB:-.devbuild/new}
 cp $LIB/_C.abi3.so astrai/_C.abi3.so && cat $LIB/REV
 timeout 120 python3 -m pytest -q -p no:cacheprovider -x -rfE tests/kernels/test_cuda_fp8.py \

@@ -4,9 +4,7 @@
 # order given, one process each (list them alternating, A B A B, to see the noise between
 # processes). Libraries: dirs under .devbuild from .devbuild/ab/libs.tar.xz.
 set -u
-[ -f .devbuild/ab/libs.tar.xz ] && tar -xJf .devbuild/ab/libs.tar.xz -C .devbuild
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-exec > >(tee "$OUT/session.log") 2>&1
+source lab/device_prelude.sh
 LIBS=${LIBS:-new}
 last=${LIBS##* }
 cp .devbuild/$last/_C.abi3.so astrai/_C.abi3.so && echo "== tests: $last: $(cat .devbuild/$last/REV)"
