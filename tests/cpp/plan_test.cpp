@@ -322,8 +322,9 @@ TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
 
 TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   KernelTuning automatic;
+  // D = 128 compiles both wgmma prefills: the warp-specialised one runs, the first when asked.
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
-            PrefillKernel::kWgmma);
+            PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(256, h200(), automatic).kernel,
@@ -351,9 +352,10 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   wgmma.prefill_kernel = PrefillKernel::kWgmma;
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), wgmma).kernel,
             PrefillKernel::kWarpSpecialized);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), wgmma).kernel, PrefillKernel::kWgmma);
   KernelTuning warp_specialized;
   warp_specialized.prefill_kernel = PrefillKernel::kWarpSpecialized;
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), warp_specialized).kernel,
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), warp_specialized).kernel,
             PrefillKernel::kWgmma);
   EXPECT_NE(astrai::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
 }
@@ -408,6 +410,29 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
       "");
   EXPECT_EQ(parsed.fp8_prefill, Fp8Prefill::kInKernel);
   EXPECT_NE(astrai::kernels::parse_kernel_tuning("fp8_prefill=registers", &parsed), "");
+}
+
+TEST(PrefillPlan, TheWarpSpecializedKernelCopiesByTmaBoxesUnlessTunedToGather) {
+  using astrai::kernels::PrefillLoads;
+  auto boxes = [](int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
+                  int64_t fp8_scratch = 0) {
+    return astrai::kernels::plan_paged_prefill(head_dim, device, tuning, fp8_scratch).pool_boxes;
+  };
+  KernelTuning automatic;
+  EXPECT_TRUE(boxes(64, h200(), automatic));
+  EXPECT_TRUE(boxes(64, h200(), automatic, 1));  // FP8 pages dequantized first: a 16-bit pool
+  // Only the warp-specialised kernel copies by boxes.
+  EXPECT_FALSE(boxes(96, h200(), automatic));
+  EXPECT_FALSE(boxes(64, a100(), automatic));
+  EXPECT_FALSE(boxes(64, h200(), automatic, astrai::kernels::kFp8ScratchLimitBytes + 1));
+  KernelTuning gather;
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_loads=cp_async", &gather), "");
+  EXPECT_EQ(gather.prefill_loads, PrefillLoads::kCpAsync);
+  EXPECT_FALSE(boxes(64, h200(), gather));
+  KernelTuning tma;
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_loads=tma", &tma), "");
+  EXPECT_TRUE(boxes(256, h200(), tma));
+  EXPECT_NE(astrai::kernels::parse_kernel_tuning("prefill_loads=bulk", &tma), "");
 }
 
 }  // namespace

@@ -15,3 +15,22 @@ def tuning():
 
     yield set_tuning
     ops.set_kernel_tuning("")
+
+
+# The prefill kernels the tests run, each forced by the kernel tuning where it runs (elsewhere the
+# plan's choice runs again): the warp-specialised wgmma kernel (an sm_90 GPU, a library built for
+# sm_90a, a head dim that compiles it: config.h) copying K/V by TMA boxes where the pool allows it
+# (pages of 8 slots or more) and by its cp.async gather, the first wgmma kernel and mma.sync.
+PREFILL_KERNEL_TUNINGS = {
+    "warp_specialized": "prefill_kernel=warp_specialized",
+    "warp_specialized_gather": "prefill_kernel=warp_specialized,prefill_loads=cp_async",
+    "wgmma": "prefill_kernel=wgmma",
+    "mma_sync": "prefill_kernel=mma_sync",
+}
+
+
+@pytest.fixture(params=list(PREFILL_KERNEL_TUNINGS))
+def prefill_kernel(request, tuning):
+    """Runs a prefill test on every prefill kernel (PREFILL_KERNEL_TUNINGS)."""
+    tuning(PREFILL_KERNEL_TUNINGS[request.param])
+    return request.param

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from astrai.extension import ops
+from tests.kernels.conftest import PREFILL_KERNEL_TUNINGS
 from tests.kernels.test_cuda_kernels import (
     MERGE_TUNING,
     TOLERANCE,
@@ -117,14 +118,21 @@ def test_decode_with_bad_metadata_poisons_only_its_sequence(case, splits, merge,
     assert_others_match(run(batch, True), batch, -1)
 
 
-# Each prefill kernel at a head dim that compiles it (config.h; elsewhere the plan runs another).
-PREFILL_KERNEL_HEAD_DIMS = [("warp_specialized", 64), ("wgmma", 128), ("mma_sync", 128)]
+# Each prefill kernel at a head dim that compiles it (config.h; elsewhere the plan runs another);
+# the warp-specialised one by TMA boxes (page 16) and by its gather.
+PREFILL_KERNEL_HEAD_DIMS = [
+    ("warp_specialized", 64),
+    ("warp_specialized", 128),
+    ("warp_specialized_gather", 64),
+    ("wgmma", 128),
+    ("mma_sync", 128),
+]
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kernel,head_dim", PREFILL_KERNEL_HEAD_DIMS)
 def test_prefill_with_bad_metadata_poisons_only_its_sequence(case, kernel, head_dim, tuning):
-    tuning(f"prefill_kernel={kernel}")
+    tuning(PREFILL_KERNEL_TUNINGS[kernel])
     g = torch.Generator(device="cuda").manual_seed(17)
     batch = PagedBatch(
         [700, 900, 2000], [50, 130, 64], 8, 2, head_dim, 16, torch.bfloat16, generator=g
@@ -165,7 +173,7 @@ def test_prefill_with_a_broken_query_start_loc_stays_inside_its_tensors(kernel, 
     """A decreasing query_start_loc, one past the tokens, and more new tokens than max_query_len:
     the call completes (no access outside q and out: compute-sanitizer checks it), and the CUDA
     context survives."""
-    tuning(f"prefill_kernel={kernel}")
+    tuning(PREFILL_KERNEL_TUNINGS[kernel])
     g = torch.Generator(device="cuda").manual_seed(23)
     batch = PagedBatch(
         [700, 900, 2000], [50, 130, 64], 8, 2, head_dim, 16, torch.bfloat16, generator=g

@@ -308,16 +308,6 @@ def test_decode_with_mask_and_empty_rows():
     assert (out[1] == 0).all()
 
 
-@pytest.fixture(params=["warp_specialized", "wgmma", "mma_sync"])
-def prefill_kernel(request, tuning):
-    """Prefill tests run on both prefill kernels, forced with the kernel tuning: the
-    warp-specialised wgmma kernel wherever it runs (an sm_90 GPU, a library built for sm_90a, a
-    head dim that compiles it: D = 64, 128, 256; elsewhere this case runs mma.sync again) and
-    mma.sync."""
-    tuning(f"prefill_kernel={request.param}")
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("is_causal", [True, False])
@@ -747,6 +737,49 @@ def as_head_major_pages(cache):
     """The same values stored [P, Hkv, S, D] (head-major pages, FlashInfer's HND layout) and
     seen as [P, S, Hkv, D] through strides: slot stride D, head stride S * D."""
     return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the warp-specialised prefill: an sm_90 GPU",
+)
+@pytest.mark.parametrize(
+    "page_size,num_kv_heads,head_major,loads,boxes",
+    [
+        (16, 2, False, "auto", True),
+        (8, 2, False, "auto", True),  # the smallest box: one 1024-byte swizzle atom
+        (256, 2, False, "tma", True),  # boxes of a whole 128-row tile
+        (64, 1, False, "auto", True),  # one kv head: a dim of one element in the map
+        (16, 2, True, "auto", True),  # head-major pages: the map's dims ordered by stride
+        (4, 2, False, "tma", False),  # pages below 8 slots: gathered
+        (1, 2, False, "auto", False),
+        (16, 2, False, "cp_async", False),  # gathered when tuned so
+    ],
+)
+def test_warp_specialized_prefill_copies_by_tma_boxes_where_the_pool_allows(
+    page_size, num_kv_heads, head_major, loads, boxes, tuning
+):
+    """On sm_90 the warp-specialised prefill copies K and V by TMA boxes (its instantiation with
+    PrefillWarpSpecializedTraits<D, true>) for pages of 8 slots or more whose strides a tensor map
+    describes, and gathers with cp.async otherwise (<D, false>); the kernel names tell which ran
+    (the control), and the answer is the reference's either way. Sequences end inside tiles, so
+    every block's last tile is gathered with its rows past the end zero-filled (the pool's
+    unowned slots are NaN)."""
+    tuning("prefill_kernel=warp_specialized", f"prefill_loads={loads}")
+    g = torch.Generator(device="cuda").manual_seed(60 + page_size + num_kv_heads + head_major)
+    q_lens = [300, 77, 1]
+    lens = [1300, 77, 500]
+    batch = PagedBatch(lens, q_lens, 8, num_kv_heads, 64, page_size, torch.bfloat16, generator=g)
+    if head_major:
+        batch.k_cache = as_head_major_pages(batch.k_cache)
+        batch.v_cache = as_head_major_pages(batch.v_cache)
+    scale = 1.0 / 8
+    names = launched_kernel_names(lambda: run_prefill(batch, batch.q, scale))
+    prefills = [n for n in names if "paged_prefill" in n]
+    traits = f"PrefillWarpSpecializedTraits<64, {str(boxes).lower()}>"
+    assert prefills and all(traits in n for n in prefills), prefills
+    out = run_prefill(batch, batch.q, scale)
+    assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 64])

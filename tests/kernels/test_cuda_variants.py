@@ -163,12 +163,6 @@ def test_decode_variants_match_reference(variant, splits, merge, head_dim, tunin
     assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
-@pytest.fixture(params=["warp_specialized", "wgmma", "mma_sync"])
-def prefill_kernel(request, tuning):
-    tuning(f"prefill_kernel={request.param}")
-    return request.param
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -24,6 +24,11 @@ __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, int arrivals) {
                "r"(arrivals)
                : "memory");
 }
+// After a block's barriers are initialised, before the barrier that publishes them: makes the
+// initialisation visible to the asynchronous proxy too (TMA completes its bytes there).
+__device__ __forceinline__ void mbarrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 // Release: this thread's earlier shared-memory writes are visible to the threads whose wait
 // returns for the phase this arrival completes.
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
@@ -46,6 +51,22 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, int parity) {
 __device__ __forceinline__ void cp_async_arrive_on(uint64_t* barrier) {
   asm volatile(
       "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier))
+      : "memory");
+}
+// The same without .noinc: the barrier expects one more arrival first, so the phase waits for it
+// and for another arrival (a thread that arrives after every such call has been made).
+__device__ __forceinline__ void cp_async_arrive_on_counted(uint64_t* barrier) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier))
+               : "memory");
+}
+
+// This thread's arrival, and `bytes` more that asynchronous copies (TMA) will complete on the
+// barrier: the phase completes once every arrival is in and those bytes have landed. Before the
+// copies are issued.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint64_t* barrier, uint32_t bytes) {
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
+      "r"(bytes)
       : "memory");
 }
 

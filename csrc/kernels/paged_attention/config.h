@@ -44,7 +44,7 @@ inline constexpr HeadDimForms kPagedHeadDims[] = {
     // BEGIN HEAD DIMS
     {64,  false, false, false, false, true},
     {96,  false, false, false, true,  false},
-    {128, true,  true,  true,  true,  false},
+    {128, true,  true,  true,  true,  true},
     {256, false, false, false, false, true},
     // END HEAD DIMS
 };

@@ -240,15 +240,16 @@ struct KVTileLoader {
     slot_rows[kTileN + thread] = v_offset;
   }
   // The copies of a tile's K (kV false) or V rows into the stage (a warp-specialised kernel hands
-  // each to its consumers on its own barrier).
-  template <int kSlots, bool kV>
+  // each to its consumers on its own barrier). kUnroll: copies issued per loop step (all of them
+  // unrolled, ptxas computes every address first: a producer short of registers spills).
+  template <int kSlots, bool kV, int kUnroll = kCopies>
   __device__ __forceinline__ void issue_rows(const int64_t* ring, int tile, int stage) const {
     static_assert(kOneColumn && Traits::kWgmmaTiles,
                   "row ring: one column per thread, wgmma tiles");
     const int64_t* rows = ring + (tile % kSlots) * 2 * kTileN + (kV ? kTileN : 0);
     KV* dst = (kV ? v_smem : k_smem) + stage * Traits::kTileElements;
     const char* column = kV ? v_thread : k_thread;
-#pragma unroll
+#pragma unroll kUnroll
     for (int i = 0; i < kCopies; ++i) {
       const int row = copy_row(i);
       const int64_t offset = rows[row];

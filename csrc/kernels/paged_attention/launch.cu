@@ -175,6 +175,7 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
   PagedKernelArgs args = kernel_args(params);
   args.query_start_loc = params.query_start_loc;
   args.max_query_len = params.max_query_len;
+  args.pool_boxes = plan.pool_boxes;
   const bool wgmma = plan.kernel == PrefillKernel::kWgmma;
   const bool warp_specialized = plan.kernel == PrefillKernel::kWarpSpecialized;
   status = {"paged prefill: head_dim " + std::to_string(params.head_dim) + " is not built"};

@@ -138,6 +138,18 @@ const char* fp8_prefill_name(Fp8Prefill mode) {
   return "?";
 }
 
+const char* prefill_loads_name(PrefillLoads loads) {
+  switch (loads) {
+    case PrefillLoads::kAuto:
+      return "auto";
+    case PrefillLoads::kTma:
+      return "tma";
+    case PrefillLoads::kCpAsync:
+      return "cp_async";
+  }
+  return "?";
+}
+
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
   KernelTuning parsed;
   size_t start = 0;
@@ -185,6 +197,14 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
           ok = true;
         }
       }
+    } else if (key == "prefill_loads") {
+      ok = false;
+      for (PrefillLoads loads : {PrefillLoads::kAuto, PrefillLoads::kTma, PrefillLoads::kCpAsync}) {
+        if (value == prefill_loads_name(loads)) {
+          parsed.prefill_loads = loads;
+          ok = true;
+        }
+      }
     } else {
       known = false;
     }
@@ -193,7 +213,7 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
              "' (expected comma-separated decode_form=auto|split|cluster|block_pairs|"
              "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
              "prefill_kernel=auto|warp_specialized|wgmma|mma_sync, "
-             "fp8_prefill=auto|in_kernel|dequantize_first)";
+             "fp8_prefill=auto|in_kernel|dequantize_first, prefill_loads=auto|tma|cp_async)";
     }
   }
   *tuning = parsed;
@@ -352,10 +372,17 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
     if (tuning.fp8_prefill != Fp8Prefill::kAuto)
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
     // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one, the
-    // wgmma one at D = 96), the mma.sync prefill, which can at every head dim on every GPU.
-    if (!first && !prefill_reads_fp8(plan.kernel, head_dim)) plan.kernel = PrefillKernel::kMmaSync;
+    // wgmma one at D = 96), the wgmma one where it runs and can, else the mma.sync prefill, which
+    // can at every head dim on every GPU.
+    if (!first && !prefill_reads_fp8(plan.kernel, head_dim)) {
+      plan.kernel = wgmma_runs && prefill_reads_fp8(PrefillKernel::kWgmma, head_dim)
+                        ? PrefillKernel::kWgmma
+                        : PrefillKernel::kMmaSync;
+    }
     plan.dequantize_fp8_first = first;
   }
+  plan.pool_boxes = plan.kernel == PrefillKernel::kWarpSpecialized &&
+                    tuning.prefill_loads != PrefillLoads::kCpAsync;
   return plan;
 }
 

@@ -50,6 +50,8 @@ enum class DecodeForm : int { kAuto, kSplit, kCluster, kBlockPairs, kEightWarps,
 enum class PrefillKernel : int { kAuto, kWarpSpecialized, kWgmma, kMmaSync };
 // How a prefill over an FP8 cache reads it (PrefillPlan::dequantize_fp8_first).
 enum class Fp8Prefill : int { kAuto, kInKernel, kDequantizeFirst };
+// How the warp-specialised prefill copies K/V tiles (PrefillPlan::pool_boxes).
+enum class PrefillLoads : int { kAuto, kTma, kCpAsync };
 
 // Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
 // ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
@@ -64,12 +66,15 @@ enum class Fp8Prefill : int { kAuto, kInKernel, kDequantizeFirst };
 //                                    runs (else the automatic choice), or mma.sync always
 //   fp8_prefill=auto|in_kernel|dequantize_first  how a prefill reads an FP8 cache: in_kernel
 //                                    where the kernel can (prefill_reads_fp8), else dequantized
+//   prefill_loads=auto|tma|cp_async  the warp-specialised prefill's copies: TMA boxes where the
+//                                    pool allows them (auto, tma), or the cp.async gather always
 struct KernelTuning {
   DecodeForm decode_form = DecodeForm::kAuto;
   int decode_splits = 0;      // 0: the rule's
   int persistent_blocks = 0;  // 0: one per SM
   PrefillKernel prefill_kernel = PrefillKernel::kAuto;
   Fp8Prefill fp8_prefill = Fp8Prefill::kAuto;
+  PrefillLoads prefill_loads = PrefillLoads::kAuto;
 };
 // "" on success; otherwise what is wrong (and *tuning is left unchanged).
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
@@ -100,6 +105,10 @@ struct PrefillPlan {
   // dtype (kernels/kv_cache/dequantize_pages.cu), which the kernel reads as a 16-bit cache;
   // otherwise the kernel reads the bytes itself (prefill_reads_fp8). See kFp8ScratchLimitBytes.
   bool dequantize_fp8_first = false;
+  // The warp-specialised kernel copies K/V by TMA boxes where the pool allows it (page sizes of 8
+  // slots or more, strides TMA can describe: kernels/paged_attention/pool_tensor_map.h), else by
+  // the cp.async gather.
+  bool pool_boxes = false;
   std::string error;
 };
 // Whether the kernel reads an FP8 cache's bytes itself at this head dim: the mma.sync prefill
@@ -127,6 +136,7 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
 const char* decode_form_name(DecodeForm form);
 const char* prefill_kernel_name(PrefillKernel kernel);
 const char* fp8_prefill_name(Fp8Prefill mode);
+const char* prefill_loads_name(PrefillLoads loads);
 
 // ---- The rules, with their measurements --------------------------------------------------------
 

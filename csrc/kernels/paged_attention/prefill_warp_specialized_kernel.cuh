@@ -8,9 +8,12 @@
 // walks its kv tiles (causal tiles past the block's last token skipped) with the online softmax of
 // FlashAttention-2. The block is three warpgroups with roles (warp_specialization.cuh):
 //   - the producer (warpgroup 0) copies the K and V tiles from the pages into kStages
-//     shared-memory stages with cp.async (a gather: any page size, any page order), and hands
-//     each K and each V tile over on its own mbarrier once its copies have landed; it keeps few
-//     registers (setmaxnreg) so that the consumers can have more;
+//     shared-memory stages, and hands each K and each V tile over on its own mbarrier once its
+//     copies have landed: with pages of 8 slots or more, TMA boxes of whole page rows issued by
+//     one warp (pool_tensor_map.h; a last tile that reaches past the block's kv range is gathered
+//     as below, its rows past the end zero-filled); otherwise the whole warpgroup gathers with
+//     cp.async (kv_tile_loader.cuh: any page size, any page order). It keeps few registers
+//     (setmaxnreg) so that the consumers can have more;
 //   - two consumers (warpgroups 1 and 2) own 64 query rows each. S = Q K^T takes Q and K from
 //     shared memory, O += P V takes P from the S accumulators (registers) and V from shared
 //     memory, both asynchronous. Inside a consumer, the scores of tile t are multiplied while
@@ -34,15 +37,19 @@
 #include "instantiations.h"
 #include "kv_tile_loader.cuh"
 #include "params.h"
+#include "pool_tensor_map.h"
 #include "query_rows.cuh"
 #include "variant.cuh"
 #include "wgmma_row_tile.cuh"
 
 namespace astrai::kernels {
 
-template <int kHeadDim_>
+// kBoxes_: the producer copies by TMA boxes (pool_tensor_map.h), gathering only a last tile that
+// reaches past the kv range; otherwise it gathers every tile with cp.async (kv_tile_loader.cuh).
+template <int kHeadDim_, bool kBoxes_>
 struct PrefillWarpSpecializedTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kBoxes = kBoxes_;
   static constexpr bool kDecode = false;
   static constexpr int kConsumers = 2;  // consumer warpgroups, 64 rows each (wgmma's M)
   static constexpr int kBlockThreads = (1 + kConsumers) * 128;
@@ -51,17 +58,19 @@ struct PrefillWarpSpecializedTraits {
   static constexpr int kBlockRows = kConsumers * 64;
   // kv positions per tile (S's N): the O accumulators (D / 2 registers), one tile's scores
   // (kTileN / 2) and the previous tile's P (kTileN / 4) live at once under the consumers' cap.
-  // D = 128 is not compiled (config.h): against the first wgmma kernel, 80-wide tiles ran
-  // 0.91-0.96x; 96-wide ones with 32 / 232 registers and no spills 0.82-0.90x, and with the row
-  // ring below 0.92-0.95x (lab/NOTES.md, versions 21 and 22).
-  static constexpr int kTileN = kHeadDim == 64 ? 128 : kHeadDim == 256 ? 64 : 80;
-  static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 ? 3 : 2;
+  // Gathering at D = 128 (the producer at 56 registers, the consumers at 224): against the first
+  // wgmma kernel, 80-wide tiles ran 0.91-0.96x; 96-wide ones with 32 / 232 registers and no
+  // spills 0.82-0.90x, and with the row ring below 0.92-0.95x; 128-wide ones at 32 / 232
+  // 0.89-0.97x (lab/NOTES.md, versions 21 and 22). With TMA boxes the producer needs few
+  // registers, so the consumers get 240 and D = 128 takes 128-wide tiles.
+  static constexpr int kTileN = kHeadDim == 64 ? 128 : kHeadDim == 256 ? 64 : kBoxes ? 128 : 80;
+  static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 && !kBoxes ? 3 : 2;
   // Registers per thread: the block starts with the cap of __launch_bounds__ (65536 / 384, in
   // steps of 8: 168), and setmaxnreg only moves them between warpgroups: a consumer's request
   // beyond what the producer gave back waits forever.
   static constexpr int kLaunchRegisters = (65536 / kBlockThreads) / 8 * 8;
-  static constexpr int kProducerRegisters = 56;
-  static constexpr int kConsumerRegisters = 224;
+  static constexpr int kProducerRegisters = kBoxes ? 24 : 56;
+  static constexpr int kConsumerRegisters = kBoxes ? 240 : 224;
   static constexpr int kElementBytes = 2;
   static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
   static constexpr int kKVBytes =
@@ -93,14 +102,137 @@ struct PrefillWarpSpecializedTraits {
 // The stage hand-off barriers of one block (warp_specialization.cuh).
 template <int kStages>
 struct StageBarriers {
-  uint64_t k_full[kStages], v_full[kStages];    // the producer's 128 threads arrive
+  // The producer's 128 threads arrive (cp.async gather), or its box-issuing thread with the
+  // tile's bytes (TMA).
+  uint64_t k_full[kStages], v_full[kStages];
   uint64_t k_empty[kStages], v_empty[kStages];  // the consumers' 8 warps arrive
 };
+
+#if defined(ASTRAI_HAS_WGMMA)
+// The producer's gather (every page size): the warpgroup's 128 threads copy each tile with
+// cp.async, each thread's arrival counted once its copies have landed (the full barriers expect
+// 128). Before its copies, one thread per row puts the row's K and V offsets into the row ring
+// (kv_tile_loader.cuh), the next tile's page ids already read.
+template <typename Traits, typename T>
+__device__ __forceinline__ void produce_tiles_by_gather(StageBarriers<Traits::kStages>& bars,
+                                                        const KVTileLoader<Traits, T>& loader,
+                                                        int64_t* row_ring, int num_tiles,
+                                                        int producer_barrier) {
+  constexpr int kStages = Traits::kStages;
+  constexpr int kSlots = Traits::kRowRingSlots;
+  int32_t next_page = loader.read_row_page(0);
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int stage = tile % kStages;
+    const int free_parity = ((tile / kStages) & 1) ^ 1;
+    // The tile's row offsets into the ring, the next tile's page ids read (used an iteration
+    // later); the barrier publishes the ring slot, and every thread is past its reads of the
+    // slot's last use (two tiles back).
+    loader.template put_row_offsets<kSlots>(row_ring, tile, next_page);
+    if (tile + 1 < num_tiles) next_page = loader.read_row_page(tile + 1);
+    named_barrier_sync<128>(producer_barrier);
+    // Each copy hands its tile over on its own: the barrier counts this thread's arrival once
+    // its copies have landed, and the thread goes on issuing.
+    mbarrier_wait(&bars.k_empty[stage], free_parity);
+    loader.template issue_rows<kSlots, false>(row_ring, tile, stage);
+    cp_async_arrive_on(&bars.k_full[stage]);
+    mbarrier_wait(&bars.v_empty[stage], free_parity);
+    loader.template issue_rows<kSlots, true>(row_ring, tile, stage);
+    cp_async_arrive_on(&bars.v_full[stage]);
+  }
+}
+
+// The producer by TMA boxes (pool_tensor_map.h; the full barriers expect one arrival). Every tile
+// that ends within the range (kv_end) goes as boxes of `box rows` slots x 64 columns, one per
+// lane of warp 0: the lane reads its box's page id, lane 0 arrives with the tile's bytes, and the
+// boxes complete them. A last tile that reaches past kv_end is gathered instead by the whole
+// warpgroup with cp.async, so that its rows past the end are zeros, not stale slots of the last
+// page (their weights are 0, but 0 * NaN is NaN): warps 1-3 wait at the producer's barrier until
+// warp 0, which has followed the stages' phases in order, finds that tile's stage free; then each
+// thread's copies are counted on the barrier (cp_async_arrive_on_counted) and, once every thread
+// has counted them, thread 0 arrives.
+template <typename Traits, typename T>
+__device__ __forceinline__ void produce_tiles_by_boxes(
+    const PagedAttentionParams& p, const PoolTensorMaps& maps, StageBarriers<Traits::kStages>& bars,
+    const KVTileLoader<Traits, T>& loader, int64_t* row_ring, const T* k_smem, const T* v_smem,
+    int kv_head, int kv_begin, int kv_end, int num_tiles, int producer_barrier) {
+  constexpr int D = Traits::kHeadDim;
+  constexpr int kTileN = Traits::kTileN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kSlots = Traits::kRowRingSlots;
+  constexpr uint32_t kTileBytes = Traits::kTileElements * sizeof(T);
+  static_assert(kTileN / kMinPoolBoxRows * (D / 64) <= 32, "one box per lane of a warp");
+  static_assert(kTileN % kMinPoolBoxRows == 0, "tiles of whole boxes");
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const bool partial_last = num_tiles > 0 && kv_begin + num_tiles * kTileN > kv_end;
+  const int whole_tiles = num_tiles - (partial_last ? 1 : 0);
+  if (warp == 0) {
+    if (lane == 0) {
+      prefetch_tensor_map(maps.k);
+      prefetch_tensor_map(maps.v);
+    }
+    // This lane's box: column block lane / row_boxes, rows from (lane % row_boxes) x box rows;
+    // lanes past the tile's boxes issue none.
+    const int log2_box = maps.log2_box_rows;
+    const int row_boxes = kTileN >> log2_box;
+    const bool has_box = lane < row_boxes * (D / 64);
+    const int column_block = lane / row_boxes;
+    const int box_row = (lane % row_boxes) << log2_box;
+    const uint32_t box_offset = (column_block * kTileN + box_row) * 128;  // bytes into a tile
+    const int page_mask = (1 << p.log2_page_size) - 1;
+    for (int tile = 0; tile < whole_tiles; ++tile) {
+      const int stage = tile % kStages;
+      const int free_parity = ((tile / kStages) & 1) ^ 1;
+      const int pos = kv_begin + tile * kTileN + box_row;
+      // Positions below kv_end <= the block table's width: the id is in the sequence's row. An id
+      // outside the pool reads zeros (and prescan_page_ids has poisoned the rows).
+      const int page = has_box ? loader.src.block_table[pos >> p.log2_page_size] : 0;
+      const int slot = pos & page_mask;
+      mbarrier_wait(&bars.k_empty[stage], free_parity);
+      if (lane == 0) mbarrier_arrive_expect_bytes(&bars.k_full[stage], kTileBytes);
+      __syncwarp();  // the bytes are expected before any box can complete them
+      if (has_box)
+        copy_pool_box(shared_address(k_smem + stage * Traits::kTileElements) + box_offset, maps,
+                      maps.k, shared_address(&bars.k_full[stage]), column_block * 64, slot, kv_head,
+                      page);
+      mbarrier_wait(&bars.v_empty[stage], free_parity);
+      if (lane == 0) mbarrier_arrive_expect_bytes(&bars.v_full[stage], kTileBytes);
+      __syncwarp();
+      if (has_box)
+        copy_pool_box(shared_address(v_smem + stage * Traits::kTileElements) + box_offset, maps,
+                      maps.v, shared_address(&bars.v_full[stage]), column_block * 64, slot, kv_head,
+                      page);
+    }
+  }
+  if (partial_last) {
+    const int tile = num_tiles - 1;
+    const int stage = tile % kStages;
+    const int free_parity = ((tile / kStages) & 1) ^ 1;
+    loader.template put_row_offsets<kSlots>(row_ring, tile, loader.read_row_page(tile));
+    if (warp == 0) {
+      mbarrier_wait(&bars.k_empty[stage], free_parity);
+      mbarrier_wait(&bars.v_empty[stage], free_parity);
+    }
+    named_barrier_sync<128>(producer_barrier);  // the ring is written and the stage free
+    // One copy per step: this tile is one of many, and the producer runs at 24 registers.
+    loader.template issue_rows<kSlots, false, 1>(row_ring, tile, stage);
+    cp_async_arrive_on_counted(&bars.k_full[stage]);
+    loader.template issue_rows<kSlots, true, 1>(row_ring, tile, stage);
+    cp_async_arrive_on_counted(&bars.v_full[stage]);
+    named_barrier_sync<128>(producer_barrier);  // every thread's copies are counted
+    if (threadIdx.x == 0) {
+      mbarrier_arrive(&bars.k_full[stage]);
+      mbarrier_arrive(&bars.v_full[stage]);
+    }
+  }
+}
+#endif
 
 // kSoftcap: the softcap it is compiled for (variant.cuh).
 template <typename Traits, typename T, Softcap kSoftcap>
 __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
-    paged_prefill_warp_specialized_kernel(const __grid_constant__ PagedKernelArgs args) {
+    paged_prefill_warp_specialized_kernel(const __grid_constant__ PagedKernelArgs args,
+                                          const __grid_constant__ PoolTensorMaps maps) {
 #if defined(ASTRAI_HAS_WGMMA)
   constexpr int D = Traits::kHeadDim;
   constexpr int kChunks = Traits::kChunksPerRow;
@@ -148,13 +280,16 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
   const KVTileSource source =
       kv_tile_source<T>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end);
   if (tid == 0) {
+    // By boxes a tile's full barrier waits for one thread's arrival and the tile's bytes.
+    const int full_arrivals = Traits::kBoxes ? 1 : Traits::kThreads;
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&bars.k_full[s], Traits::kThreads);
-      mbarrier_init(&bars.v_full[s], Traits::kThreads);
+      mbarrier_init(&bars.k_full[s], full_arrivals);
+      mbarrier_init(&bars.v_full[s], full_arrivals);
       mbarrier_init(&bars.k_empty[s], kConsumerWarps);
       mbarrier_init(&bars.v_empty[s], kConsumerWarps);
     }
+    mbarrier_init_fence();
   }
   // The producer's threads check the block's page ids once (the copies then only clamp them);
   // the barrier ORs the result over the block and publishes the barriers' initialisation. The
@@ -171,25 +306,11 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     // ---- producer: K(t) and V(t) of every tile, each handed over on its own barrier ------------
     release_registers<Traits::kProducerRegisters>();
     KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
-    constexpr int kSlots = Traits::kRowRingSlots;
-    int32_t next_page = loader.read_row_page(0);
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      const int stage = tile % kStages;
-      const int free_parity = ((tile / kStages) & 1) ^ 1;
-      // The tile's row offsets into the ring, the next tile's page ids read (used an iteration
-      // later); the barrier publishes the ring slot, and every thread is past its reads of the
-      // slot's last use (two tiles back).
-      loader.template put_row_offsets<kSlots>(row_ring, tile, next_page);
-      if (tile + 1 < num_tiles) next_page = loader.read_row_page(tile + 1);
-      named_barrier_sync<128>(kProducerBarrier);
-      // Each copy hands its tile over on its own: the barrier counts this thread's arrival once
-      // its copies have landed, and the thread goes on issuing.
-      mbarrier_wait(&bars.k_empty[stage], free_parity);
-      loader.template issue_rows<kSlots, false>(row_ring, tile, stage);
-      cp_async_arrive_on(&bars.k_full[stage]);
-      mbarrier_wait(&bars.v_empty[stage], free_parity);
-      loader.template issue_rows<kSlots, true>(row_ring, tile, stage);
-      cp_async_arrive_on(&bars.v_full[stage]);
+    if constexpr (Traits::kBoxes) {
+      produce_tiles_by_boxes<Traits, T>(p, maps, bars, loader, row_ring, k_smem, v_smem, kv_head,
+                                        kv_begin, range.end, num_tiles, kProducerBarrier);
+    } else {
+      produce_tiles_by_gather<Traits, T>(bars, loader, row_ring, num_tiles, kProducerBarrier);
     }
     cp_async_commit();
     cp_async_wait<0>();  // no copy outlives its thread
@@ -318,16 +439,25 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
 #endif
 }
 
+// TMA boxes where the plan allows them and the pool can be described (pool_tensor_map.h), the
+// gather otherwise: two instantiations, whose kernel names tell them apart.
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cudaStream_t stream) {
-  using Traits = PrefillWarpSpecializedTraits<D>;
-  return launch_prefill<T, /*kFp8=*/false>(
-      args,
-      [](auto softcap, auto) {
-        return paged_prefill_warp_specialized_kernel<Traits, T, decltype(softcap)::value>;
-      },
-      Traits::kSmemBytes, Traits::kBlockThreads, Traits::kBlockRows, stream,
-      "paged_prefill_warp_specialized_kernel");
+  auto launch = [&](auto boxes, const PoolTensorMaps& maps) {
+    using Traits = PrefillWarpSpecializedTraits<D, decltype(boxes)::value>;
+    return launch_prefill<T, /*kFp8=*/false>(
+        args,
+        [](auto softcap, auto) {
+          return paged_prefill_warp_specialized_kernel<Traits, T, decltype(softcap)::value>;
+        },
+        Traits::kSmemBytes, Traits::kBlockThreads, Traits::kBlockRows, stream,
+        "paged_prefill_warp_specialized_kernel", maps);
+  };
+  PoolTensorMaps maps{};
+  if (args.pool_boxes &&
+      encode_pool_tensor_maps(args.base, PrefillWarpSpecializedTraits<D, true>::kTileN, &maps))
+    return launch(std::true_type{}, maps);
+  return launch(std::false_type{}, maps);
 }
 
 }  // namespace astrai::kernels

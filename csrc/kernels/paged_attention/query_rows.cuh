@@ -119,10 +119,12 @@ LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedA
 // std::integral_constant); it launches the one the call needs, by its softcap kind (variant.cuh,
 // softcap_kernel) and, over an FP8 cache (kFp8), its format, over row tiles of block_rows packed
 // rows (max_query_len x group rows per sequence). P is f16 over an FP8 cache (its fragments are
-// f16), so that cache has no fixed-max instantiation: the running max takes its place.
-template <typename T, bool kFp8, typename KernelFor>
+// f16), so that cache has no fixed-max instantiation: the running max takes its place. `extra`:
+// the kernel's parameters after args (the warp-specialised prefill's tensor maps).
+template <typename T, bool kFp8, typename KernelFor, typename... Extra>
 LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for, int smem_bytes,
-                            int threads, int block_rows, cudaStream_t stream, const char* name) {
+                            int threads, int block_rows, cudaStream_t stream, const char* name,
+                            const Extra&... extra) {
   const Softcap softcap =
       softcap_kernel(args.base.softcap, !kFp8 && std::is_same_v<T, __nv_bfloat16>,
                      /*fixed_max_allowed=*/true);
@@ -146,7 +148,7 @@ LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for,
   const LaunchStatus prepared = prepare_row_tile_launch(
       kernel, smem_bytes, args.base, static_cast<int>(rows), block_rows, 1, &grid);
   if (!prepared.ok()) return prepared;
-  kernel<<<grid, threads, smem_bytes, stream>>>(args);
+  kernel<<<grid, threads, smem_bytes, stream>>>(args, extra...);
   return status_after_launch(name);
 }
 
