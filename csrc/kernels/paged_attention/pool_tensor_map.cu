@@ -21,8 +21,8 @@ EncodeTiled encode_tiled() {
     void* function = nullptr;
     cudaDriverEntryPointQueryResult found{};
 #if CUDART_VERSION >= 12050
-    const cudaError_t error = cudaGetDriverEntryPointByVersion(
-        "cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &found);
+    const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function,
+                                                               12000, cudaEnableDefault, &found);
 #else
     const cudaError_t error =
         cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &function, cudaEnableDefault, &found);
@@ -41,8 +41,8 @@ EncodeTiled encode_tiled() {
 
 // One pool's map: dims (D, then slot, head and page ordered by stride), boxes of 64 x box_rows.
 bool encode_pool(EncodeTiled encode, const void* pool, int64_t stride_slot, int64_t stride_head,
-                 int64_t stride_page, const PagedAttentionParams& p, int box_rows,
-                 CUtensorMap* map, int* slot_dim, int* head_dim, int* page_dim) {
+                 int64_t stride_page, const PagedAttentionParams& p, int box_rows, CUtensorMap* map,
+                 int* slot_dim, int* head_dim, int* page_dim) {
   constexpr int64_t kElement = 2;
   struct Dim {
     int64_t stride_bytes;
