@@ -64,24 +64,24 @@ __device__ __forceinline__ void issue_output_update(float (&o)[D / 2],
 
 // The landed scores of the tile at kv position pos0 -> their exp2 weights: the variant layer's
 // score transform and mask, then the online softmax of this thread's two rows. alpha: the factor
-// each row's output must be rescaled by (1 with the fixed max).
-template <int kTileN, Softcap kSoftcap>
-__device__ __forceinline__ void softmax_tile(float (&s)[kTileN / 2], const PagedAttentionParams& p,
-                                             const SequenceRows& seq, const KvRange& range,
-                                             const UnmaskedTiles& unmasked,
-                                             const ScoreTransform& transform, int thread_row,
-                                             int lane_col, int pos0, float (&row_max)[2],
-                                             float (&row_sum)[2], float (&alpha)[2]) {
+// each row's output must be rescaled by (1 with the fixed max). seen(half): the RowVisibility of
+// row thread_row + 8 half (row_visibility), asked only for tiles that need the mask.
+template <int kTileN, Softcap kSoftcap, typename Seen>
+__device__ __forceinline__ void softmax_tile_seen(float (&s)[kTileN / 2],
+                                                  const UnmaskedTiles& unmasked,
+                                                  const ScoreTransform& transform, Seen&& seen,
+                                                  int lane_col, int pos0, float (&row_max)[2],
+                                                  float (&row_sum)[2], float (&alpha)[2]) {
   transform_scores<kTileN / 2>(transform, [&](int i) -> float& { return s[i]; });
   if (unmasked.need_mask(pos0, kTileN)) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const RowVisibility seen = row_visibility(p, seq, range, thread_row + half * 8);
+      const RowVisibility row = seen(half);
 #pragma unroll
       for (int nt = 0; nt < kTileN / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          if (!visible(seen, pos0 + nt * 8 + lane_col + e)) s[nt * 4 + half * 2 + e] = -INFINITY;
+          if (!visible(row, pos0 + nt * 8 + lane_col + e)) s[nt * 4 + half * 2 + e] = -INFINITY;
         }
       }
     }
@@ -93,6 +93,18 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTileN / 2], const Paged
         [&](int nt, int e) -> float& { return s[nt * 4 + half * 2 + e]; }, row_max[half],
         row_sum[half], transform.exp_scale);
   }
+}
+template <int kTileN, Softcap kSoftcap>
+__device__ __forceinline__ void softmax_tile(float (&s)[kTileN / 2], const PagedAttentionParams& p,
+                                             const SequenceRows& seq, const KvRange& range,
+                                             const UnmaskedTiles& unmasked,
+                                             const ScoreTransform& transform, int thread_row,
+                                             int lane_col, int pos0, float (&row_max)[2],
+                                             float (&row_sum)[2], float (&alpha)[2]) {
+  softmax_tile_seen<kTileN, kSoftcap>(
+      s, unmasked, transform,
+      [&](int half) { return row_visibility(p, seq, range, thread_row + half * 8); }, lane_col,
+      pos0, row_max, row_sum, alpha);
 }
 
 // The FP8 bytes of a staged K or V tile of kTileN rows (rows of D bytes, 16-byte chunks swizzled:
