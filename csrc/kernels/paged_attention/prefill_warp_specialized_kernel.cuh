@@ -69,8 +69,11 @@ struct PrefillWarpSpecializedTraits {
   // steps of 8: 168), and setmaxnreg only moves them between warpgroups: a consumer's request
   // beyond what the producer gave back waits forever.
   static constexpr int kLaunchRegisters = (65536 / kBlockThreads) / 8 * 8;
-  static constexpr int kProducerRegisters = kBoxes ? 24 : 56;
-  static constexpr int kConsumerRegisters = kBoxes ? 240 : 224;
+  // By boxes: the producer at 24 leaves the consumers 240 (D = 128's 128-wide tiles need them); at
+  // D = 64 the consumers fit in 232, and 40 keep the producer's per-tile box loop out of local
+  // memory (at 24 it reloaded the map's coordinate order from it every tile).
+  static constexpr int kProducerRegisters = kBoxes ? (kHeadDim == 64 ? 40 : 24) : 56;
+  static constexpr int kConsumerRegisters = kBoxes ? (kHeadDim == 64 ? 232 : 240) : 224;
   static constexpr int kElementBytes = 2;
   static constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
   static constexpr int kKVBytes =
