@@ -14,6 +14,16 @@ __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
+// `value`, copied where the compiler cannot see through (a volatile move): what derives from it
+// is computed again at each use instead of being hoisted out of a loop and kept in registers. The
+// warp-specialised prefill passes its Q tile's address through it every tile: ptxas had hoisted
+// the Q descriptors of every k step out of the tile loop (16 at D = 256) and spilled them.
+__device__ __forceinline__ uint32_t opaque_copy(uint32_t value) {
+  uint32_t copy;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(copy) : "r"(value));
+  return copy;
+}
+
 // 16-byte global -> shared copy; when !valid nothing is read and the 16 bytes are zero-filled
 // (padding rows must hold finite values: their probabilities are 0 but 0 * NaN is NaN).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {

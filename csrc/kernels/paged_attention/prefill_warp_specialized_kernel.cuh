@@ -356,8 +356,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
 
     // S = Q K^T and O += P V of a stage's tiles (wgmma_row_tile.cuh), issued, not waited for.
     auto issue_scores = [&](int stage) {
+      // The Q descriptors derived again every tile (opaque_copy), not kept through the loop.
       astrai::kernels::issue_scores<T, D, kTileN, kBlockRows>(
-          s_acc, q_rows, shared_address(k_smem + stage * Traits::kTileElements));
+          s_acc, opaque_copy(q_rows), shared_address(k_smem + stage * Traits::kTileElements));
     };
     auto issue_pv = [&](int stage) {
       issue_output_update<T, D, kTileN>(o_acc, p_frag,
