@@ -4,6 +4,7 @@ backend under its own kernel tuning (torch.ops.astr.set_kernel_tuning around the
 kernels of the same build compare without a second library.
 
     python3 lab/prefill_kernel_ab.py OUT.json [--tunings auto,prefill_kernel=wgmma] [--dims 128]
+    (a tuning of several keys joins them with "+": prefill_kernel=wgmma+fp8_prefill=in_kernel)
 
 Columns: astrai[<tuning>] for each tuning, flashinfer_fa3 (when importable), sdpa_cudnn. Rows:
 causal B x S at D = 128 (Hq 32, Hkv 8), the ragged mix of bench_attention, D = 64 and 256 (Hq 16,
@@ -81,7 +82,10 @@ def main():
     columns = []
     for tuning in args.tunings.split(","):
         make = peers.astrai_attention("cuda", 16)
-        columns.append((f"astrai[{tuning}]", make if tuning == "auto" else tuned(make, tuning)))
+        # "+" joins the keys of one tuning (the list itself is comma-separated).
+        columns.append(
+            (f"astrai[{tuning}]", make if tuning == "auto" else tuned(make, tuning.replace("+", ",")))
+        )
     for name in filter(None, args.peers.split(",")):
         if name.startswith("flashinfer") and peers.flashinfer_missing():
             print("skip", name, peers.flashinfer_missing())

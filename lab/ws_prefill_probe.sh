@@ -9,6 +9,7 @@
 # bench_attention's records; BASE=1 the after / before run against .devbuild/base/_C.abi3.so
 # (benchmarks/build_baseline.sh, namespace astr_old).
 set -u
+[ -f .devbuild/ab/libs.tar.xz ] && tar -xJf .devbuild/ab/libs.tar.xz -C .devbuild
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 R=$OUT/r
 mkdir -p "$R"
