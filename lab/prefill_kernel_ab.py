@@ -83,9 +83,8 @@ def main():
     for tuning in args.tunings.split(","):
         make = peers.astrai_attention("cuda", 16)
         # "+" joins the keys of one tuning (the list itself is comma-separated).
-        columns.append(
-            (f"astrai[{tuning}]", make if tuning == "auto" else tuned(make, tuning.replace("+", ",")))
-        )
+        keys = tuning.replace("+", ",")
+        columns.append((f"astrai[{tuning}]", make if tuning == "auto" else tuned(make, keys)))
     for name in filter(None, args.peers.split(",")):
         if name.startswith("flashinfer") and peers.flashinfer_missing():
             print("skip", name, peers.flashinfer_missing())
