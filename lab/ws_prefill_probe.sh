@@ -65,7 +65,7 @@ for f in t_kernels t_variants t_api; do
 done
 [ -f "$R/memcheck.log" ] && tail -3 "$R/memcheck.log"
 if [ "${SANITIZER:-1}" = 1 ]; then
-  timeout 60 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q \
+  timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q \
     -p no:cacheprovider tests/kernels/test_cuda_kernels.py \
     -k "prefill_ragged_batch_with_uneven and warp_specialized" >"$R/racecheck.log" 2>&1
   echo "racecheck rc=$?"; tail -2 "$R/racecheck.log"
