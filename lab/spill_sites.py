@@ -17,17 +17,18 @@ import subprocess
 import sys
 from collections import Counter
 
-NVCC = os.environ.get("NVCC", "/usr/local/cuda-13.0/bin/nvcc")
 NVDISASM = os.environ.get("NVDISASM", "/tmp/nvd/x/nvidia/cu13/bin/nvdisasm")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from kernel_resources import nvcc_flags  # noqa: E402  (the build's flags)
 
 
 def main():
     source, pattern = sys.argv[1], sys.argv[2]
     cubin = "/tmp/spill_sites.cubin"
-    flags = ["-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "--use_fast_math"]
-    flags += ["-lineinfo", "--expt-relaxed-constexpr", f"-I{ROOT}/csrc", "-DASTR_WITH_SM90A=1"]
-    subprocess.run([NVCC, *flags, "-cubin", source, "-o", cubin], check=True)
+    flags = [*nvcc_flags(os.path.join(ROOT, "csrc"), "90a"), "-lineinfo"]
+    subprocess.run([*flags, "-cubin", source, "-o", cubin], check=True)
     sass = subprocess.run([NVDISASM, "-g", "-c", cubin], capture_output=True, text=True, check=True)
     lines = sass.stdout.split("\n")
     headers = [i for i, line in enumerate(lines) if line.startswith("//---------------------")]
