@@ -27,26 +27,26 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import generate_instantiations  # noqa: E402
 
 
+def nvcc_flags(include: str, arch: str) -> list:
+    """nvcc and the flags an instantiation file compiles with here (as setup.py builds it)."""
+    return [
+        shutil.which("nvcc") or "nvcc",
+        "-std=c++17",
+        "-O3",
+        "--use_fast_math",
+        "--expt-relaxed-constexpr",
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        "-DASTR_WITH_CUDA=1",
+        *(["-DASTR_WITH_SM90A=1"] if arch == "90a" else []),
+        "-I",
+        include,
+    ]
+
+
 def compile_report(source: str, include: str, arch: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            shutil.which("nvcc") or "nvcc",
-            "-c",
-            source,
-            "-o",
-            os.path.join(tmp, "out.o"),
-            "-std=c++17",
-            "-O3",
-            "--use_fast_math",
-            "--expt-relaxed-constexpr",
-            f"-gencode=arch=compute_{arch},code=sm_{arch}",
-            "-DASTR_WITH_CUDA=1",
-            *(["-DASTR_WITH_SM90A=1"] if arch == "90a" else []),
-            "-I",
-            include,
-            "-Xptxas",
-            "-v",
-        ]
+        cmd = [*nvcc_flags(include, arch), "-c", source, "-o", os.path.join(tmp, "out.o")]
+        cmd += ["-Xptxas", "-v"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             return f"FAIL {source}\n{result.stderr[-3000:]}"

@@ -275,10 +275,8 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
     // prefill_dequantizes_fp8_first has the rule and its measurements).
     const int64_t width = block_table.size(1);
     const int64_t pages = num_seqs * width;
-    // (At least 1 for an FP8 cache: 0 means a 16-bit one to the plan, even for an empty table.)
-    const int64_t scratch_bytes = fp8 ? std::max<int64_t>(1, 2 * pages * page_size * num_kv_heads *
-                                                                 head_dim * q.element_size())
-                                      : 0;
+    std::optional<int64_t> scratch_bytes;  // none: a 16-bit cache
+    if (fp8) scratch_bytes = 2 * pages * page_size * num_kv_heads * head_dim * q.element_size();
     const kernels::PrefillPlan plan =
         kernels::plan_paged_prefill(base.head_dim, device_facts, tuning, scratch_bytes);
     at::Tensor k_pages, v_pages, pages_table;

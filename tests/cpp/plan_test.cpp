@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "config.h"
 #include "traits.h"
@@ -364,13 +365,13 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
   using astrai::kernels::Fp8Prefill;
   using astrai::kernels::kFp8ScratchLimitBytes;
   auto first = [](int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
-                  int64_t scratch) {
+                  std::optional<int64_t> scratch) {
     return astrai::kernels::plan_paged_prefill(head_dim, device, tuning, scratch)
         .dequantize_fp8_first;
   };
   KernelTuning automatic;
   // A 16-bit cache has nothing to dequantize.
-  EXPECT_FALSE(first(128, h200(), automatic, 0));
+  EXPECT_FALSE(first(128, h200(), automatic, std::nullopt));
   // The wgmma prefill (D = 128 on sm_90a): dequantized first up to the limit, bytes beyond.
   EXPECT_TRUE(first(128, h200(), automatic, 1));
   EXPECT_TRUE(first(128, h200(), automatic, kFp8ScratchLimitBytes));

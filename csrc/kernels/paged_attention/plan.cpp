@@ -344,7 +344,7 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 // config.h compiles the warp-specialised kernel at D = 64 and 256, the first at D = 96 and 128,
 // and the plan runs whichever is compiled.
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
-                               int64_t fp8_scratch_bytes) {
+                               std::optional<int64_t> fp8_scratch_bytes) {
   PrefillPlan plan;
   const HeadDimForms* forms = paged_head_dim_forms(head_dim);
   if (forms == nullptr) {
@@ -367,8 +367,8 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
   } else {
     plan.kernel = PrefillKernel::kMmaSync;
   }
-  if (fp8_scratch_bytes > 0) {
-    bool first = prefill_dequantizes_fp8_first(fp8_scratch_bytes);
+  if (fp8_scratch_bytes.has_value()) {
+    bool first = prefill_dequantizes_fp8_first(*fp8_scratch_bytes);
     if (tuning.fp8_prefill != Fp8Prefill::kAuto)
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
     // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one, the

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -129,9 +130,9 @@ int64_t decode_kv_positions(const DecodeShape& shape);
 DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device,
                              const KernelTuning& tuning);
 // fp8_scratch_bytes: for an FP8 cache, the bytes the dequantized pages would take (K and V,
-// num_seqs x block-table width pages of q's dtype); 0 for a 16-bit cache.
+// num_seqs x block-table width pages of q's dtype; 0 for an empty table); none for a 16-bit cache.
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
-                               int64_t fp8_scratch_bytes = 0);
+                               std::optional<int64_t> fp8_scratch_bytes = std::nullopt);
 
 const char* decode_form_name(DecodeForm form);
 const char* prefill_kernel_name(PrefillKernel kernel);
