@@ -323,15 +323,16 @@ TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
 
 TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   KernelTuning automatic;
-  // D = 128 compiles both wgmma prefills: the warp-specialised one runs, the first when asked.
+  // D = 96 and 128 compile both wgmma prefills: the warp-specialised one runs, the first when
+  // asked.
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
+            PrefillKernel::kWarpSpecialized);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(256, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
-            PrefillKernel::kWgmma);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, a100(), automatic).kernel,
             PrefillKernel::kMmaSync);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, a100(), automatic).kernel,
@@ -354,10 +355,11 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), wgmma).kernel,
             PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), wgmma).kernel, PrefillKernel::kWgmma);
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), wgmma).kernel, PrefillKernel::kWgmma);
   KernelTuning warp_specialized;
   warp_specialized.prefill_kernel = PrefillKernel::kWarpSpecialized;
   EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), warp_specialized).kernel,
-            PrefillKernel::kWgmma);
+            PrefillKernel::kWarpSpecialized);
   EXPECT_NE(astrai::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
 }
 
@@ -416,14 +418,17 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
 TEST(PrefillPlan, TheWarpSpecializedKernelCopiesByTmaBoxesUnlessTunedToGather) {
   using astrai::kernels::PrefillLoads;
   auto boxes = [](int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
-                  int64_t fp8_scratch = 0) {
+                  std::optional<int64_t> fp8_scratch = std::nullopt) {
     return astrai::kernels::plan_paged_prefill(head_dim, device, tuning, fp8_scratch).pool_boxes;
   };
   KernelTuning automatic;
   EXPECT_TRUE(boxes(64, h200(), automatic));
   EXPECT_TRUE(boxes(64, h200(), automatic, 1));  // FP8 pages dequantized first: a 16-bit pool
+  EXPECT_TRUE(boxes(96, h200(), automatic));     // rows of one and a half column blocks
   // Only the warp-specialised kernel copies by boxes.
-  EXPECT_FALSE(boxes(96, h200(), automatic));
+  KernelTuning wgmma;
+  wgmma.prefill_kernel = PrefillKernel::kWgmma;
+  EXPECT_FALSE(boxes(96, h200(), wgmma));
   EXPECT_FALSE(boxes(64, a100(), automatic));
   EXPECT_FALSE(boxes(64, h200(), automatic, astrai::kernels::kFp8ScratchLimitBytes + 1));
   KernelTuning gather;

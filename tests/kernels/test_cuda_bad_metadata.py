@@ -122,8 +122,10 @@ def test_decode_with_bad_metadata_poisons_only_its_sequence(case, splits, merge,
 # the warp-specialised one by TMA boxes (page 16) and by its gather.
 PREFILL_KERNEL_HEAD_DIMS = [
     ("warp_specialized", 64),
+    ("warp_specialized", 96),
     ("warp_specialized", 128),
     ("warp_specialized_gather", 64),
+    ("warp_specialized_gather", 96),
     ("wgmma", 128),
     ("mma_sync", 128),
 ]

@@ -250,12 +250,16 @@ def test_fp8_prefill_of_a_query_outside_f16s_range_matches_reference(fp8, magnit
 @pytest.mark.parametrize(
     "head_dim,padded_width,way,kernel,expect_pass",
     [
-        # 514 pages: 0.13 GiB of scratch at D = 128, dequantized first
-        (128, 0, "auto", "paged_prefill_wgmma_kernel", True),
+        # 514 pages: 0.13 GiB of scratch at D = 128, dequantized first (the warp-specialised
+        # kernel on 16-bit pages)
+        (128, 0, "auto", "paged_prefill_warp_specialized_kernel", True),
         # padded to 1714 pages: 0.42 GiB, the wgmma kernel reads the bytes
         (128, 1200, "auto", "paged_prefill_wgmma_kernel", False),
         (128, 0, "in_kernel", "paged_prefill_wgmma_kernel", False),
-        (128, 1200, "dequantize_first", "paged_prefill_wgmma_kernel", True),
+        (128, 1200, "dequantize_first", "paged_prefill_warp_specialized_kernel", True),
+        # D = 96: dequantized first, the warp-specialised kernel; the bytes, the mma.sync one
+        (96, 0, "auto", "paged_prefill_warp_specialized_kernel", True),
+        (96, 0, "in_kernel", "paged_prefill_kernel", False),
         # D = 64: the warp-specialised kernel on dequantized pages, beyond the limit (padded to
         # 4214 pages: 0.51 GiB) the mma.sync kernel reading the bytes
         (64, 0, "auto", "paged_prefill_warp_specialized_kernel", True),

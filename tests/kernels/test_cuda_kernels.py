@@ -744,20 +744,26 @@ def as_head_major_pages(cache):
     reason="the warp-specialised prefill: an sm_90 GPU",
 )
 @pytest.mark.parametrize(
-    "page_size,num_kv_heads,head_major,loads,boxes",
+    "page_size,num_kv_heads,head_major,loads,boxes,head_dim",
     [
-        (16, 2, False, "auto", True),
-        (8, 2, False, "auto", True),  # the smallest box: one 1024-byte swizzle atom
-        (256, 2, False, "tma", True),  # boxes of a whole 128-row tile
-        (64, 1, False, "auto", True),  # one kv head: a dim of one element in the map
-        (16, 2, True, "auto", True),  # head-major pages: the map's dims ordered by stride
-        (4, 2, False, "tma", False),  # pages below 8 slots: gathered
-        (1, 2, False, "auto", False),
-        (16, 2, False, "cp_async", False),  # gathered when tuned so
+        (16, 2, False, "auto", True, 64),
+        (8, 2, False, "auto", True, 64),  # the smallest box: one 1024-byte swizzle atom
+        (256, 2, False, "tma", True, 64),  # boxes of a whole 128-row tile
+        (64, 1, False, "auto", True, 64),  # one kv head: a dim of one element in the map
+        (16, 2, True, "auto", True, 64),  # head-major pages: the map's dims ordered by stride
+        (4, 2, False, "tma", False, 64),  # pages below 8 slots: gathered
+        (1, 2, False, "auto", False, 64),
+        (16, 2, False, "cp_async", False, 64),  # gathered when tuned so
+        # D = 96: the second column block's boxes reach past D (zeros there); gathered, each
+        # copy takes its own chunk (12 a row over 128 threads).
+        (16, 2, False, "auto", True, 96),
+        (16, 2, True, "auto", True, 96),
+        (16, 2, False, "cp_async", False, 96),
+        (1, 2, False, "auto", False, 96),
     ],
 )
 def test_warp_specialized_prefill_copies_by_tma_boxes_where_the_pool_allows(
-    page_size, num_kv_heads, head_major, loads, boxes, tuning
+    page_size, num_kv_heads, head_major, loads, boxes, head_dim, tuning
 ):
     """On sm_90 the warp-specialised prefill copies K and V by TMA boxes (its instantiation with
     PrefillWarpSpecializedTraits<D, true>) for pages of 8 slots or more whose strides a tensor map
@@ -769,14 +775,16 @@ def test_warp_specialized_prefill_copies_by_tma_boxes_where_the_pool_allows(
     g = torch.Generator(device="cuda").manual_seed(60 + page_size + num_kv_heads + head_major)
     q_lens = [300, 77, 1]
     lens = [1300, 77, 500]
-    batch = PagedBatch(lens, q_lens, 8, num_kv_heads, 64, page_size, torch.bfloat16, generator=g)
+    batch = PagedBatch(
+        lens, q_lens, 8, num_kv_heads, head_dim, page_size, torch.bfloat16, generator=g
+    )
     if head_major:
         batch.k_cache = as_head_major_pages(batch.k_cache)
         batch.v_cache = as_head_major_pages(batch.v_cache)
-    scale = 1.0 / 8
+    scale = 1.0 / math.sqrt(head_dim)
     names = launched_kernel_names(lambda: run_prefill(batch, batch.q, scale))
     prefills = [n for n in names if "paged_prefill" in n]
-    traits = f"PrefillWarpSpecializedTraits<64, {str(boxes).lower()}>"
+    traits = f"PrefillWarpSpecializedTraits<{head_dim}, {str(boxes).lower()}>"
     assert prefills and all(traits in n for n in prefills), prefills
     out = run_prefill(batch, batch.q, scale)
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)

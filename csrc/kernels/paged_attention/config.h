@@ -26,7 +26,7 @@ namespace astrai::kernels {
 //                        whole 32-element halves of column blocks)
 //   prefill_warp_specialized  the warp-specialised prefill on wgmma: a producer warpgroup, two
 //                        consumers taking turns (prefill_warp_specialized_kernel.cuh; sm_90a
-//                        builds; head dims of 64-element column blocks)
+//                        builds; head dims of whole 32-element halves of column blocks)
 // Where both prefills on wgmma could run, each head dim compiles the one measured faster
 // (plan.cpp has the numbers): the plan runs the compiled one.
 struct HeadDimForms {
@@ -43,7 +43,7 @@ struct HeadDimForms {
 inline constexpr HeadDimForms kPagedHeadDims[] = {
     // BEGIN HEAD DIMS
     {64,  false, false, false, false, true},
-    {96,  false, false, false, true,  false},
+    {96,  false, false, false, true,  true},
     {128, true,  true,  true,  true,  true},
     {256, false, false, false, false, true},
     // END HEAD DIMS

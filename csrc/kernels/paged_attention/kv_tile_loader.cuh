@@ -241,20 +241,25 @@ struct KVTileLoader {
   }
   // The copies of a tile's K (kV false) or V rows into the stage (a warp-specialised kernel hands
   // each to its consumers on its own barrier). kUnroll: copies issued per loop step (all of them
-  // unrolled, ptxas computes every address first: a producer short of registers spills).
+  // unrolled, ptxas computes every address first: a producer short of registers spills). Where
+  // the threads do not divide into whole rows (D = 96), each copy adds its own chunk's column.
   template <int kSlots, bool kV, int kUnroll = kCopies>
   __device__ __forceinline__ void issue_rows(const int64_t* ring, int tile, int stage) const {
-    static_assert(kOneColumn && Traits::kWgmmaTiles,
-                  "row ring: one column per thread, wgmma tiles");
+    static_assert(Traits::kWgmmaTiles, "row ring: wgmma tiles");
     const int64_t* rows = ring + (tile % kSlots) * 2 * kTileN + (kV ? kTileN : 0);
     KV* dst = (kV ? v_smem : k_smem) + stage * Traits::kTileElements;
     const char* column = kV ? v_thread : k_thread;
+    // Copies with their own chunk derive each copy's row and chunk from the thread index again
+    // every tile (opaque_copy): hoisted out of the tile loop, 12 of each spilled the producer.
+    const int copier = kOneColumn ? thread : static_cast<int>(opaque_copy(thread));
 #pragma unroll kUnroll
     for (int i = 0; i < kCopies; ++i) {
-      const int row = copy_row(i);
+      const int row = kOneColumn ? copy_row(i) : (copier + i * kThreads) / kChunks;
+      const int copy_column = kOneColumn ? chunk : (copier + i * kThreads) % kChunks;
       const int64_t offset = rows[row];
-      cp_async_16(shared_address(dst + swizzled_128b_tile_offset<kTileN>(row, chunk)),
-                  column + (offset < 0 ? 0 : offset), offset >= 0);
+      const char* src = kOneColumn ? column : column + copy_column * 16;
+      cp_async_16(shared_address(dst + swizzled_128b_tile_offset<kTileN>(row, copy_column)),
+                  src + (offset < 0 ? 0 : offset), offset >= 0);
     }
   }
 

@@ -340,9 +340,10 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 // 96-wide tiles and its producer's row ring (B=2 S=4096 351 vs 371, ragged 353 vs 377;
 // lab/NOTES.md). At D = 96 (Phi-3's; rows of one and a half column blocks) the first wgmma kernel
 // ran 1.07-1.13x the mma.sync one (lab/prefill_kernel_ab.py --dims 96, one process: B=1 S=4096
-// Hkv=32 283 vs 256, B=1 S=8192 314 vs 284, ragged 287 vs 257, non-causal 312 vs 276). So
-// config.h compiles the warp-specialised kernel at D = 64 and 256, the first at D = 96 and 128,
-// and the plan runs whichever is compiled.
+// Hkv=32 283 vs 256, B=1 S=8192 314 vs 284, ragged 287 vs 257, non-causal 312 vs 276). With TMA
+// boxes (pool_tensor_map.h) the warp-specialised kernel takes 128-wide tiles at D = 96 and 128;
+// config.h compiles both wgmma kernels there and the plan runs the warp-specialised one, the first
+// with prefill_kernel=wgmma (not yet measured against each other: lab/NOTES.md, version 24).
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes) {
   PrefillPlan plan;

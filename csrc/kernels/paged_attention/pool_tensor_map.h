@@ -12,9 +12,11 @@
 // the shared address, so every box starts on a 1024-byte boundary: R >= 8).
 //
 // Boxes are whole: a box starts at a multiple of R slots and R divides the page size and the
-// tile's rows, so a tile's boxes never cross a page. A coordinate outside the pool (a page id
-// outside [0, num_pages)) reads nothing and fills zeros: no block-table value makes a box read
-// outside the pool.
+// tile's rows, so a tile's boxes never cross a page. Head dims of whole 32-column halves: at
+// D = 96 the second column block's box reaches past D and reads zeros there (the kernel's rows
+// are padded to whole column blocks, and the multiplies never read the pad). A coordinate outside
+// the pool (a page id outside [0, num_pages)) reads nothing and fills zeros: no block-table value
+// makes a box read outside the pool.
 #pragma once
 
 #include <cuda.h>

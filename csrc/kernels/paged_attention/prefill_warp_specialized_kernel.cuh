@@ -1,7 +1,7 @@
 // Paged prefill on Hopper (sm_90a): a warp-specialised kernel on the warpgroup multiply (wgmma),
 // and its launcher. The plan runs it on sm_90 when the library was built for sm_90a and the head
-// dim compiles it (config.h: D = 64 and 256; at D = 128 prefill_wgmma_kernel.cuh measured faster,
-// plan.cpp).
+// dim compiles it (config.h: every head dim; at D = 96 and 128 prefill_wgmma_kernel.cuh is
+// compiled as well, plan.cpp).
 //
 // Same work split and semantics as the mma.sync prefill (traits.h, variant.cuh): a block owns
 // kBlockRows packed query rows (new token, q head of the GQA group) of one (sequence, kv head) and
@@ -63,8 +63,18 @@ struct PrefillWarpSpecializedTraits {
   // spills 0.82-0.90x, and with the row ring below 0.92-0.95x; 128-wide ones at 32 / 232
   // 0.89-0.97x (lab/NOTES.md, versions 21 and 22). With TMA boxes the producer needs few
   // registers, so the consumers get 240 and D = 128 takes 128-wide tiles.
-  static constexpr int kTileN = kHeadDim == 64 ? 128 : kHeadDim == 256 ? 64 : kBoxes ? 128 : 80;
+  // D = 96 (rows of 12 chunks) gathers tiles of a multiple of 32 rows (128 threads, whole copies
+  // each), and has registers for 128-wide tiles either way.
+  static constexpr int kTileN = kHeadDim == 64 || kHeadDim == 96 ? 128
+                                : kHeadDim == 256                ? 64
+                                : kBoxes                         ? 128
+                                                                 : 80;
   static constexpr int kStages = kHeadDim == 64 ? 4 : kHeadDim == 128 && !kBoxes ? 3 : 2;
+  // Rows of whole 64-element column blocks (128 bytes, the swizzle's): D = 96 leaves half of its
+  // second block unused, and the multiplies never read it (k steps of 16, N = D); TMA boxes fill
+  // it with zeros (columns past D are outside the map).
+  static constexpr int kPaddedHeadDim = (kHeadDim + 63) / 64 * 64;
+  static constexpr int kColumnBlocks = kPaddedHeadDim / 64;
   // Registers per thread: the block starts with the cap of __launch_bounds__ (65536 / 384, in
   // steps of 8: 168), and setmaxnreg only moves them between warpgroups: a consumer's request
   // beyond what the producer gave back waits forever.
@@ -84,8 +94,8 @@ struct PrefillWarpSpecializedTraits {
   // the loader's page-id ring or page ids in registers (16 a tile per thread made it spill).
   static constexpr bool kPageIdRing = false;
   static constexpr int kPageIdSlots = 0;
-  static constexpr int kTileElements = kTileN * kHeadDim;
-  static constexpr int kQElements = kBlockRows * kHeadDim;
+  static constexpr int kTileElements = kTileN * kPaddedHeadDim;
+  static constexpr int kQElements = kBlockRows * kPaddedHeadDim;
   static constexpr int kTileBytes = (kQElements + 2 * kStages * kTileElements) * kElementBytes;
   // The barriers after the tiles: full and empty, for K and V, per stage.
   static constexpr int kBarrierBytes = 4 * kStages * 8;
@@ -95,7 +105,7 @@ struct PrefillWarpSpecializedTraits {
   static constexpr int kRowRingBytes = kRowRingSlots * 2 * kTileN * 8;
   // + 1024: the tiles start on the first 1024-byte boundary of the dynamic shared memory.
   static constexpr int kSmemBytes = kTileBytes + kBarrierBytes + kRowRingBytes + 1024;
-  static_assert(kHeadDim % 64 == 0, "column blocks of 64 elements");
+  static_assert(kHeadDim % 32 == 0, "k steps of 16 in whole halves of column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
   static_assert(kProducerRegisters + kConsumers * kConsumerRegisters <=
                     (1 + kConsumers) * kLaunchRegisters,
@@ -156,14 +166,14 @@ __device__ __forceinline__ void produce_tiles_by_gather(StageBarriers<Traits::kS
 template <typename Traits, typename T>
 __device__ __forceinline__ void produce_tiles_by_boxes(
     const PagedAttentionParams& p, const PoolTensorMaps& maps, StageBarriers<Traits::kStages>& bars,
-    const KVTileLoader<Traits, T>& loader, int64_t* row_ring, const T* k_smem, const T* v_smem,
-    int kv_head, int kv_begin, int kv_end, int num_tiles, int producer_barrier) {
-  constexpr int D = Traits::kHeadDim;
+    const KVTileLoader<Traits, T>& loader, int64_t* row_ring, int kv_head, int kv_begin, int kv_end,
+    int num_tiles, int producer_barrier) {
   constexpr int kTileN = Traits::kTileN;
   constexpr int kStages = Traits::kStages;
   constexpr int kSlots = Traits::kRowRingSlots;
   constexpr uint32_t kTileBytes = Traits::kTileElements * sizeof(T);
-  static_assert(kTileN / kMinPoolBoxRows * (D / 64) <= 32, "one box per lane of a warp");
+  constexpr int kColumnBlocks = Traits::kColumnBlocks;
+  static_assert(kTileN / kMinPoolBoxRows * kColumnBlocks <= 32, "one box per lane of a warp");
   static_assert(kTileN % kMinPoolBoxRows == 0, "tiles of whole boxes");
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -178,7 +188,7 @@ __device__ __forceinline__ void produce_tiles_by_boxes(
     // lanes past the tile's boxes issue none.
     const int log2_box = maps.log2_box_rows;
     const int row_boxes = kTileN >> log2_box;
-    const bool has_box = lane < row_boxes * (D / 64);
+    const bool has_box = lane < row_boxes * kColumnBlocks;
     const int column_block = lane / row_boxes;
     const int box_row = (lane % row_boxes) << log2_box;
     const uint32_t box_offset = (column_block * kTileN + box_row) * 128;  // bytes into a tile
@@ -195,16 +205,16 @@ __device__ __forceinline__ void produce_tiles_by_boxes(
       if (lane == 0) mbarrier_arrive_expect_bytes(&bars.k_full[stage], kTileBytes);
       __syncwarp();  // the bytes are expected before any box can complete them
       if (has_box)
-        copy_pool_box(shared_address(k_smem + stage * Traits::kTileElements) + box_offset, maps,
-                      maps.k, shared_address(&bars.k_full[stage]), column_block * 64, slot, kv_head,
-                      page);
+        copy_pool_box(shared_address(loader.k_smem + stage * Traits::kTileElements) + box_offset,
+                      maps, maps.k, shared_address(&bars.k_full[stage]), column_block * 64, slot,
+                      kv_head, page);
       mbarrier_wait(&bars.v_empty[stage], free_parity);
       if (lane == 0) mbarrier_arrive_expect_bytes(&bars.v_full[stage], kTileBytes);
       __syncwarp();
       if (has_box)
-        copy_pool_box(shared_address(v_smem + stage * Traits::kTileElements) + box_offset, maps,
-                      maps.v, shared_address(&bars.v_full[stage]), column_block * 64, slot, kv_head,
-                      page);
+        copy_pool_box(shared_address(loader.v_smem + stage * Traits::kTileElements) + box_offset,
+                      maps, maps.v, shared_address(&bars.v_full[stage]), column_block * 64, slot,
+                      kv_head, page);
     }
   }
   if (partial_last) {
@@ -310,8 +320,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     release_registers<Traits::kProducerRegisters>();
     KVTileLoader<Traits, T> loader(source, k_smem, v_smem, tid);
     if constexpr (Traits::kBoxes) {
-      produce_tiles_by_boxes<Traits, T>(p, maps, bars, loader, row_ring, k_smem, v_smem, kv_head,
-                                        kv_begin, range.end, num_tiles, kProducerBarrier);
+      produce_tiles_by_boxes<Traits, T>(p, maps, bars, loader, row_ring, kv_head, kv_begin,
+                                        range.end, num_tiles, kProducerBarrier);
     } else {
       produce_tiles_by_gather<Traits, T>(bars, loader, row_ring, num_tiles, kProducerBarrier);
     }
