@@ -110,8 +110,8 @@ def main() -> int:
         ("B=1 S=8192", ([0], [8192]), 0, D),
         ("ragged 8", mix, 0, D),
         ("B=1 S=8192 W=8192", ([0], [8192]), 8192, D),  # a block table padded to 8192 pages
-        # The other head dims: the warp-specialised prefill (D = 64, 256) reads dequantized
-        # pages only, so reading the bytes is the mma.sync prefill; D = 96 is mma.sync both ways.
+        # The other head dims: the warp-specialised prefill (D = 64, 96, 256) reads dequantized
+        # pages only, so reading the bytes is the mma.sync prefill.
         ("B=1 S=8192 D=64", ([0], [8192]), 0, 64),
         ("B=1 S=8192 D=96", ([0], [8192]), 0, 96),
         ("B=1 S=8192 D=256", ([0], [8192]), 0, 256),
