@@ -134,14 +134,17 @@ struct KVTileLoader {
     v_thread = thread_column(src.v_head);
   }
 
-  // Row and chunk of the tile that copy i of this thread takes.
-  __device__ __forceinline__ int copy_row(int i) const {
+  // Row and chunk of the tile that copy i of this thread takes (copier: the thread's index, or a
+  // copy of it the compiler cannot see through, issue_rows).
+  __device__ __forceinline__ int copy_row(int i) const { return copy_row(i, thread); }
+  __device__ __forceinline__ int copy_row(int i, int copier) const {
     if constexpr (kOneColumn) return row0 + i * kRowsPerPass;
-    return (thread + i * kThreads) / kChunks;
+    return (copier + i * kThreads) / kChunks;
   }
-  __device__ __forceinline__ int copy_chunk(int i) const {
+  __device__ __forceinline__ int copy_chunk(int i) const { return copy_chunk(i, thread); }
+  __device__ __forceinline__ int copy_chunk(int i, int copier) const {
     if constexpr (kOneColumn) return chunk;
-    return (thread + i * kThreads) % kChunks;
+    return (copier + i * kThreads) % kChunks;
   }
 
   // Sets `poisoned` where a page id of the block's tiles lies outside the pool: positions
@@ -254,8 +257,8 @@ struct KVTileLoader {
     const int copier = kOneColumn ? thread : static_cast<int>(opaque_copy(thread));
 #pragma unroll kUnroll
     for (int i = 0; i < kCopies; ++i) {
-      const int row = kOneColumn ? copy_row(i) : (copier + i * kThreads) / kChunks;
-      const int copy_column = kOneColumn ? chunk : (copier + i * kThreads) % kChunks;
+      const int row = copy_row(i, copier);
+      const int copy_column = copy_chunk(i, copier);
       const int64_t offset = rows[row];
       const char* src = kOneColumn ? column : column + copy_column * 16;
       cp_async_16(shared_address(dst + swizzled_128b_tile_offset<kTileN>(row, copy_column)),
