@@ -307,6 +307,17 @@ def flashinfer_skip(problem: AttentionProblem) -> Optional[str]:
     return flashinfer_missing()
 
 
+# FlashInfer 0.7.2's sm90 (fa3) prefill compiles only these head dims: any other fails a static
+# assertion in its JIT build after a minute of nvcc (seen at D = 96 on the H100, 2026-12-05).
+FLASHINFER_FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def flashinfer_fa3_skip(problem: AttentionProblem) -> Optional[str]:
+    if flashinfer_missing() or problem.head_dim in FLASHINFER_FA3_HEAD_DIMS:
+        return flashinfer_missing()
+    return f"flashinfer fa3 has no head dim {problem.head_dim} (has {FLASHINFER_FA3_HEAD_DIMS})"
+
+
 def flashinfer_page_index(
     block_table: torch.Tensor,  # int32 [B, W]
     seq_lens: Sequence[int],
@@ -484,7 +495,7 @@ def registry(baseline_namespace: str = "astr_old") -> Dict[str, Peer]:
             notes=lambda problem: sdpa_notes(problem, backend),
         )
 
-    def flashinfer(name, kinds, make, kv_dtype=None):
+    def flashinfer(name, kinds, make, kv_dtype=None, skip=flashinfer_skip):
         return Peer(
             name,
             kinds,
@@ -492,7 +503,7 @@ def registry(baseline_namespace: str = "astr_old") -> Dict[str, Peer]:
             as_tokens,
             "flashinfer",
             16,
-            skip=flashinfer_skip,
+            skip=skip,
             **fp8_fields(kv_dtype),
         )
 
@@ -509,12 +520,20 @@ def registry(baseline_namespace: str = "astr_old") -> Dict[str, Peer]:
         before(torch_native),
         astrai("astrai_flash", "flash", 256),
         flashinfer("flashinfer_decode", ("decode",), flashinfer_decode()),
-        flashinfer("flashinfer_fa3", ("prefill",), flashinfer_prefill("fa3")),
+        flashinfer(
+            "flashinfer_fa3", ("prefill",), flashinfer_prefill("fa3"), skip=flashinfer_fa3_skip
+        ),
         flashinfer("flashinfer_fa2", ("prefill",), flashinfer_prefill("fa2")),
         *(sdpa_peer(name) for name in SDPA_BACKENDS),
         astrai("cuda_ps16_fp8", "cuda", 16, kinds=("decode",), kv_dtype=fp8),
         flashinfer("flashinfer_decode_fp8", ("decode",), flashinfer_decode(kv_dtype=fp8), fp8),
-        flashinfer("flashinfer_fa3_fp8", ("prefill",), flashinfer_prefill("fa3", fp8), fp8),
+        flashinfer(
+            "flashinfer_fa3_fp8",
+            ("prefill",),
+            flashinfer_prefill("fa3", fp8),
+            fp8,
+            skip=flashinfer_fa3_skip,
+        ),
     ]
     return {peer.name: peer for peer in peers}
 
