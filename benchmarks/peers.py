@@ -313,8 +313,9 @@ FLASHINFER_FA3_HEAD_DIMS = (64, 128, 256)
 
 
 def flashinfer_fa3_skip(problem: AttentionProblem) -> Optional[str]:
-    if flashinfer_missing() or problem.head_dim in FLASHINFER_FA3_HEAD_DIMS:
-        return flashinfer_missing()
+    missing = flashinfer_missing()
+    if missing or problem.head_dim in FLASHINFER_FA3_HEAD_DIMS:
+        return missing
     return f"flashinfer fa3 has no head dim {problem.head_dim} (has {FLASHINFER_FA3_HEAD_DIMS})"
 
 
