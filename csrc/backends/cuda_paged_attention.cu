@@ -277,8 +277,13 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
     const int64_t pages = num_seqs * width;
     std::optional<int64_t> scratch_bytes;  // none: a 16-bit cache
     if (fp8) scratch_bytes = 2 * pages * page_size * num_kv_heads * head_dim * q.element_size();
+    // The K/V one (sequence, kv head) pair may read, for the block order: the element the
+    // kernel reads (q's dtype where an FP8 cache is dequantized first: counted as 2 bytes).
+    kernels::PrefillKvFootprint footprint;
+    footprint.pairs = num_seqs * num_kv_heads;
+    footprint.bytes_per_pair = 2 * width * page_size * head_dim * q.element_size();
     const kernels::PrefillPlan plan =
-        kernels::plan_paged_prefill(base.head_dim, device_facts, tuning, scratch_bytes);
+        kernels::plan_paged_prefill(base.head_dim, device_facts, tuning, scratch_bytes, footprint);
     at::Tensor k_pages, v_pages, pages_table;
     if (fp8 && plan.error.empty() && plan.dequantize_fp8_first) {
       k_pages = at::empty({pages, page_size, num_kv_heads, head_dim}, q.options());

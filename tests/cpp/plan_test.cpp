@@ -441,4 +441,40 @@ TEST(PrefillPlan, TheWarpSpecializedKernelCopiesByTmaBoxesUnlessTunedToGather) {
   EXPECT_NE(astrai::kernels::parse_kernel_tuning("prefill_loads=bulk", &tma), "");
 }
 
+TEST(PrefillPlan, BlocksGoInPanelsOfPairsWhoseKvFitsHalfTheL2) {
+  using astrai::kernels::PrefillKvFootprint;
+  DeviceFacts device = h200();
+  device.l2_cache_bytes = 50 << 20;
+  auto panel = [&](int64_t pairs, int64_t positions, const KernelTuning& tuning = {}) {
+    PrefillKvFootprint kv;
+    kv.pairs = pairs;
+    kv.bytes_per_pair = positions * 128 * 2 * 2;  // D = 128, K and V, bf16
+    return astrai::kernels::plan_paged_prefill(128, device, tuning, std::nullopt, kv).panel_pairs;
+  };
+  // 25 MB: 0.5 MB a pair at 1024 positions, 8 MB at 16384 (B=1, Hkv=8 reads 64 MB).
+  EXPECT_EQ(panel(8, 16384), 3);
+  EXPECT_EQ(panel(8, 8192), 6);
+  EXPECT_EQ(panel(64, 5664), 9);  // the ragged benchmark batch: 8 sequences x 8 kv heads
+  EXPECT_EQ(panel(16, 4096), 12);
+  EXPECT_EQ(panel(8, 1024), 0);     // every pair fits: one panel (the order without panels)
+  EXPECT_EQ(panel(4, 1 << 20), 1);  // one pair beyond the L2: panels of one
+  EXPECT_EQ(panel(1, 1 << 20), 0);
+  // No footprint, or no L2 known: one panel.
+  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, device, KernelTuning{}).panel_pairs, 0);
+  device.l2_cache_bytes = 0;
+  EXPECT_EQ(panel(8, 16384), 0);
+  device.l2_cache_bytes = 50 << 20;
+  // The tuning: a panel width, or all pairs.
+  KernelTuning tuned;
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=5", &tuned), "");
+  EXPECT_EQ(panel(8, 1024, tuned), 5);
+  EXPECT_EQ(panel(4, 1024, tuned), 0);  // 5 of 4 pairs: one panel
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=all", &tuned), "");
+  EXPECT_EQ(panel(8, 16384, tuned), 0);
+  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=auto", &tuned), "");
+  EXPECT_EQ(panel(8, 16384, tuned), 3);
+  EXPECT_NE(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=0", &tuned), "");
+  EXPECT_NE(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=wide", &tuned), "");
+}
+
 }  // namespace

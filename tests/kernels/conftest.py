@@ -8,11 +8,14 @@ from astrai.extension import ops  # loads the library, registers the ops
 @pytest.fixture
 def tuning():
     """Sets the kernel tuning for one test (a comma-separated string, see plan.h), automatic
-    again afterwards."""
+    again afterwards; tuning.add(...) adds to what is set (a fixture's kernel, say)."""
+    current = []
 
     def set_tuning(*parts):
-        ops.set_kernel_tuning(",".join(p for p in parts if p))
+        current[:] = [p for p in parts if p]
+        ops.set_kernel_tuning(",".join(current))
 
+    set_tuning.add = lambda *parts: set_tuning(*current, *parts)
     yield set_tuning
     ops.set_kernel_tuning("")
 

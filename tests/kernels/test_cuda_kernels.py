@@ -336,6 +336,23 @@ def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence(prefill_kernel)
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
+@pytest.mark.parametrize("panel", ["1", "3", "4", "all"])
+def test_prefill_blocks_start_in_panels_of_pairs_and_cover_the_grid(panel, prefill_kernel, tuning):
+    """The block order by panels of (sequence, kv head) pairs (query_rows.cuh,
+    prefill_block_coordinates; the plan's panel width tuned here): 5 sequences x 2 kv heads are 10
+    pairs, in panels of 1, of 3 (the last of 1) and of 4 (the last of 2), or one panel of all.
+    Every (pair, row tile) block still runs once, over sequences of 11, 1, 0, 5 and 3 row tiles: a
+    block left out leaves its rows poisoned, one run for another pair's rows writes wrong ones."""
+    tuning.add(f"prefill_l2_panel={panel}")
+    g = torch.Generator(device="cuda").manual_seed(18)
+    q_lens = [700, 1, 0, 300, 129]
+    lens = [700, 1000, 50, 2100, 129]
+    batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
+    scale = 1.0 / math.sqrt(128)
+    out = run_prefill(batch, batch.q, scale)
+    assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
+
+
 def test_prefill_long_prompt_row_stride_and_zero_length(prefill_kernel):
     """Several row tiles, causal tiles skipped, q with a row stride (a slice of a fused qkv), and
     a sequence with no new tokens between two others."""

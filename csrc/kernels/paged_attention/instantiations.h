@@ -28,6 +28,7 @@ struct PagedKernelArgs {
   float* partial_lse;              // split decode: [num_splits, T, Hq] fp32 (log2 domain)
   float scale_log2;                // scale * log2(e): softmax runs on exp2
   bool pool_boxes;                 // prefill: the plan lets a kernel copy K/V by TMA boxes
+  int panel_pairs;                 // prefill: the block order's panels (PrefillPlan; 0: one)
 };
 
 // The current device's compute capability as major * 10 + minor (0 when it cannot be read); the

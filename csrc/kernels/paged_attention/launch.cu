@@ -120,6 +120,7 @@ DeviceFacts current_device_facts() {
   facts.num_sms = current_device_attribute<cudaDevAttrMultiProcessorCount>();
   facts.max_smem_per_block = current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
   facts.max_smem_per_sm = current_device_attribute<cudaDevAttrMaxSharedMemoryPerMultiprocessor>();
+  facts.l2_cache_bytes = current_device_attribute<cudaDevAttrL2CacheSize>();
 #if defined(ASTR_WITH_SM90A)
   facts.has_sm90a_code = true;
 #endif
@@ -176,6 +177,7 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
   args.query_start_loc = params.query_start_loc;
   args.max_query_len = params.max_query_len;
   args.pool_boxes = plan.pool_boxes;
+  args.panel_pairs = plan.panel_pairs;
   const bool wgmma = plan.kernel == PrefillKernel::kWgmma;
   const bool warp_specialized = plan.kernel == PrefillKernel::kWarpSpecialized;
   status = {"paged prefill: head_dim " + std::to_string(params.head_dim) + " is not built"};

@@ -205,6 +205,14 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
           ok = true;
         }
       }
+    } else if (key == "prefill_l2_panel") {
+      if (value == "auto") {
+        parsed.prefill_l2_panel = -1;
+      } else if (value == "all") {
+        parsed.prefill_l2_panel = 0;
+      } else {
+        ok = parse_int(value, 1, 1 << 30, &parsed.prefill_l2_panel);
+      }
     } else {
       known = false;
     }
@@ -213,7 +221,8 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
              "' (expected comma-separated decode_form=auto|split|cluster|block_pairs|"
              "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
              "prefill_kernel=auto|warp_specialized|wgmma|mma_sync, "
-             "fp8_prefill=auto|in_kernel|dequantize_first, prefill_loads=auto|tma|cp_async)";
+             "fp8_prefill=auto|in_kernel|dequantize_first, prefill_loads=auto|tma|cp_async, "
+             "prefill_l2_panel=auto|all|N)";
     }
   }
   *tuning = parsed;
@@ -345,7 +354,8 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 // config.h compiles both wgmma kernels there and the plan runs the warp-specialised one, the first
 // with prefill_kernel=wgmma (not yet measured against each other: lab/NOTES.md, version 24).
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
-                               std::optional<int64_t> fp8_scratch_bytes) {
+                               std::optional<int64_t> fp8_scratch_bytes,
+                               const PrefillKvFootprint& kv) {
   PrefillPlan plan;
   const HeadDimForms* forms = paged_head_dim_forms(head_dim);
   if (forms == nullptr) {
@@ -384,6 +394,11 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
   }
   plan.pool_boxes = plan.kernel == PrefillKernel::kWarpSpecialized &&
                     tuning.prefill_loads != PrefillLoads::kCpAsync;
+  const int64_t panel = tuning.prefill_l2_panel >= 0
+                            ? tuning.prefill_l2_panel
+                            : prefill_panel_pairs(kv.bytes_per_pair, device.l2_cache_bytes);
+  // A panel of all pairs or more is the order without panels (the kernel reads it so too).
+  plan.panel_pairs = kv.pairs > 0 && panel >= kv.pairs ? 0 : static_cast<int>(panel);
   return plan;
 }
 

@@ -44,6 +44,7 @@ struct DeviceFacts {
   int num_sms = 0;              // multiprocessors
   int max_smem_per_block = 0;   // bytes a block may opt in to
   int max_smem_per_sm = 0;      // bytes
+  int64_t l2_cache_bytes = 0;   // the L2 cache (0: unknown)
   bool has_sm90a_code = false;  // the library was built for sm_90a (wgmma)
 };
 
@@ -69,6 +70,8 @@ enum class PrefillLoads : int { kAuto, kTma, kCpAsync };
 //                                    where the kernel can (prefill_reads_fp8), else dequantized
 //   prefill_loads=auto|tma|cp_async  the warp-specialised prefill's copies: TMA boxes where the
 //                                    pool allows them (auto, tma), or the cp.async gather always
+//   prefill_l2_panel=auto|all|N      the prefill's block order: (sequence, kv head) pairs in
+//                                    panels of N (PrefillPlan::panel_pairs), or of all pairs
 struct KernelTuning {
   DecodeForm decode_form = DecodeForm::kAuto;
   int decode_splits = 0;      // 0: the rule's
@@ -76,6 +79,7 @@ struct KernelTuning {
   PrefillKernel prefill_kernel = PrefillKernel::kAuto;
   Fp8Prefill fp8_prefill = Fp8Prefill::kAuto;
   PrefillLoads prefill_loads = PrefillLoads::kAuto;
+  int prefill_l2_panel = -1;  // -1: the rule's (prefill_panel_pairs); 0: all pairs; N: N pairs
 };
 // "" on success; otherwise what is wrong (and *tuning is left unchanged).
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
@@ -110,7 +114,19 @@ struct PrefillPlan {
   // slots or more, strides TMA can describe: kernels/paged_attention/pool_tensor_map.h), else by
   // the cp.async gather.
   bool pool_boxes = false;
+  // The order in which the blocks start (query_rows.cuh, prefill_block_coordinates): the
+  // (sequence, kv head) pairs in panels of this many, each panel's row tiles heaviest first over
+  // its pairs before the next panel starts, so that the blocks running at once read the K/V of a
+  // few pairs, which the L2 cache keeps between their row tiles (prefill_panel_pairs). 0: one
+  // panel of every pair (each row tile over all pairs, the order before panels).
+  int panel_pairs = 0;
   std::string error;
+};
+// What a prefill's (sequence, kv head) pairs read, for its block order: pairs, and the bytes of
+// K and V one pair may read (block table width x page size x D x 2 x the element's bytes).
+struct PrefillKvFootprint {
+  int64_t pairs = 0;
+  int64_t bytes_per_pair = 0;
 };
 // Whether the kernel reads an FP8 cache's bytes itself at this head dim: the mma.sync prefill
 // converts its fragments in registers, the wgmma prefill its tiles in shared memory (rows of whole
@@ -131,8 +147,10 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
                              const KernelTuning& tuning);
 // fp8_scratch_bytes: for an FP8 cache, the bytes the dequantized pages would take (K and V,
 // num_seqs x block-table width pages of q's dtype; 0 for an empty table); none for a 16-bit cache.
+// kv: for the block order (panel_pairs); none, one panel of every pair.
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
-                               std::optional<int64_t> fp8_scratch_bytes = std::nullopt);
+                               std::optional<int64_t> fp8_scratch_bytes = std::nullopt,
+                               const PrefillKvFootprint& kv = {});
 
 const char* decode_form_name(DecodeForm form);
 const char* prefill_kernel_name(PrefillKernel kernel);
@@ -242,6 +260,20 @@ constexpr bool decode_persistent_blocks_pay(int64_t num_items, int64_t num_sms) 
 inline constexpr int64_t kFp8ScratchLimitBytes = int64_t{256} << 20;
 constexpr bool prefill_dequantizes_fp8_first(int64_t fp8_scratch_bytes) {
   return fp8_scratch_bytes <= kFp8ScratchLimitBytes;
+}
+
+// How many (sequence, kv head) pairs a prefill's panel takes (PrefillPlan::panel_pairs; the plan
+// makes a panel of all pairs or more one panel): as many as keep the K/V they read within half the
+// L2 cache, at least 1; 0 (one panel) when either size is unknown. Blocks start in the order of
+// their index; one wave of them (an SM's worth each) covers a few row tiles, and over all pairs
+// the K/V those read is every pair's: B=1 S=16384, Hkv=8, D=128 bf16 reads 64 MB, the ragged
+// benchmark batch (8 sequences up to 5.6K positions) 138 MB, more than the H100's and H200's 50
+// MB, so a pair's tiles left L2 before its next row tile read them again. Half: the L2 is two
+// partitions, and what a panel reads is not all that passes through it (Q, the output).
+// Not yet measured: lab/NOTES.md, version 27.
+constexpr int64_t prefill_panel_pairs(int64_t kv_bytes_per_pair, int64_t l2_cache_bytes) {
+  if (kv_bytes_per_pair <= 0 || l2_cache_bytes <= 0) return 0;
+  return std::max<int64_t>(l2_cache_bytes / 2 / kv_bytes_per_pair, 1);
 }
 
 }  // namespace astrai::kernels

@@ -57,9 +57,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int seq_index = blockIdx.x / p.num_kv_heads;
-  const int kv_head = blockIdx.x % p.num_kv_heads;
-  const int row_tile = gridDim.y - 1 - blockIdx.y;  // heavy (late, causal) row tiles first
+  const PrefillBlock block = prefill_block_coordinates(p.num_kv_heads, args.panel_pairs);
+  const int seq_index = block.seq_index;
+  const int kv_head = block.kv_head;
+  const int row_tile = block.row_tile;
 
   const SequenceRows seq = prefill_sequence(p, args.query_start_loc, seq_index, args.max_query_len);
   const int group = seq.group;

@@ -17,6 +17,29 @@
 
 namespace astrai::kernels {
 
+// The (sequence, kv head) pair and row tile of a prefill block (grid: prepare_row_tile_launch).
+// Blocks start in the order of their linear index (x fastest); that order goes panel by panel of
+// panel_pairs pairs (PrefillPlan::panel_pairs; 0, or all pairs or more: one panel), and inside a
+// panel row tile by row tile, the heaviest (late, causal) first, over the panel's pairs: the
+// blocks running at once read the K/V of the panel's pairs only, which the L2 cache keeps for
+// their later row tiles. Every (pair, row tile) once: a panel's blocks are width x row tiles.
+struct PrefillBlock {
+  int seq_index, kv_head, row_tile;
+};
+__device__ __forceinline__ PrefillBlock prefill_block_coordinates(int num_kv_heads,
+                                                                  int panel_pairs) {
+  const int pairs = gridDim.x;
+  const int row_tiles = gridDim.y;
+  const int panel = panel_pairs > 0 && panel_pairs < pairs ? panel_pairs : pairs;
+  const int64_t linear = blockIdx.x + static_cast<int64_t>(blockIdx.y) * pairs;
+  const int first_pair =
+      static_cast<int>(linear / (static_cast<int64_t>(panel) * row_tiles)) * panel;
+  const int width = min(panel, pairs - first_pair);
+  const int within = static_cast<int>(linear - static_cast<int64_t>(first_pair) * row_tiles);
+  const int pair = first_pair + within % width;
+  return {pair / num_kv_heads, pair % num_kv_heads, row_tiles - 1 - within / width};
+}
+
 // Starts the cp.async copies of the block's kRows query rows into shared memory; element
 // offset(r, chunk) places 16-byte chunk `chunk` of row r. Rows past num_rows are zero-filled.
 template <typename T, int kRows, int kChunks, int kThreads, typename Offset>
