@@ -20,6 +20,8 @@ EncodeTiled encode_tiled() {
 #if CUDART_VERSION >= 12000
     void* function = nullptr;
     cudaDriverEntryPointQueryResult found{};
+    // An error already pending belongs to the caller's earlier work: it is left for them to see.
+    const bool error_was_pending = cudaPeekAtLastError() != cudaSuccess;
 #if CUDART_VERSION >= 12050
     const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function,
                                                                12000, cudaEnableDefault, &found);
@@ -28,7 +30,7 @@ EncodeTiled encode_tiled() {
         cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &function, cudaEnableDefault, &found);
 #endif
     if (error != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();  // the query's error is not the caller's
+      if (!error_was_pending) cudaGetLastError();  // the query's own error is not the caller's
       return nullptr;
     }
     return reinterpret_cast<EncodeTiled>(function);
