@@ -58,7 +58,8 @@ if [ "${SANITIZER:-1}" = 1 ]; then
     >"$R/memcheck.log" 2>&1; echo "memcheck rc=$?" >>"$R/memcheck.log") &
   PIDS="$PIDS $!"
 fi
-wait $PIDS  # by pid: a bare wait would also wait for the tee above
+# By pid, and only when there are some: a bare wait would also wait for the tee above, forever.
+[ -n "$PIDS" ] && wait $PIDS
 for f in t_kernels t_variants t_api; do
   [ -f "$R/$f.log" ] || continue
   echo "--- $f"; grep -E "FAILED|ERROR" "$R/$f.log" | head -15; tail -1 "$R/$f.log"
