@@ -324,16 +324,23 @@ def test_prefill_matches_reference(dtype, head_dim, is_causal, page_size, group,
     assert_close(out, reference(batch, batch.q, is_causal, scale), dtype)
 
 
-def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence(prefill_kernel):
-    """Every (sequence, kv head, row tile) block of the grid is covered when the sequences have
-    very different numbers of row tiles: 11, 1, 0, 5 and 3, over prefixes from 0 to 1800."""
-    g = torch.Generator(device="cuda").manual_seed(17)
+def assert_uneven_ragged_prefill_matches(seed):
+    """A causal bf16 prefill of 5 sequences x 2 kv heads (D = 128, page 16) whose sequences have
+    very different numbers of row tiles, 11, 1, 0, 5 and 3, over prefixes from 0 to 1800, against
+    the float64 reference."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q_lens = [700, 1, 0, 300, 129]
     lens = [700, 1000, 50, 2100, 129]
     batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
     scale = 1.0 / math.sqrt(128)
     out = run_prefill(batch, batch.q, scale)
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
+
+
+def test_prefill_ragged_batch_with_uneven_row_tiles_per_sequence(prefill_kernel):
+    """Every (sequence, kv head, row tile) block of the grid is covered when the sequences have
+    very different numbers of row tiles: 11, 1, 0, 5 and 3, over prefixes from 0 to 1800."""
+    assert_uneven_ragged_prefill_matches(seed=17)
 
 
 @pytest.mark.parametrize("panel", ["1", "3", "4", "all"])
@@ -344,13 +351,7 @@ def test_prefill_blocks_start_in_panels_of_pairs_and_cover_the_grid(panel, prefi
     Every (pair, row tile) block still runs once, over sequences of 11, 1, 0, 5 and 3 row tiles: a
     block left out leaves its rows poisoned, one run for another pair's rows writes wrong ones."""
     tuning.add(f"prefill_l2_panel={panel}")
-    g = torch.Generator(device="cuda").manual_seed(18)
-    q_lens = [700, 1, 0, 300, 129]
-    lens = [700, 1000, 50, 2100, 129]
-    batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
-    scale = 1.0 / math.sqrt(128)
-    out = run_prefill(batch, batch.q, scale)
-    assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
+    assert_uneven_ragged_prefill_matches(seed=18)
 
 
 def test_prefill_long_prompt_row_stride_and_zero_length(prefill_kernel):
