@@ -44,8 +44,8 @@ else
   git -C "$root" archive "$commit" csrc setup.py scripts | tar -x -C "$out"
 
   # The namespace appears in the schema block, in each kernel registration and in the operator
-  # names that C++ looks up ("astr::..."). The C++ namespace astrai is renamed too
-  # (astrai_$namespace, in the sources and in the generator of the instantiation files): both
+  # names that C++ looks up ("astr::..."). The C++ namespace (astr; astrai before 2026-12-07) is
+  # renamed too (in the sources and in the generator of the instantiation files): both
   # libraries live in one process, and a C++ symbol of the same name in both (an inline constexpr
   # table, a plan function) resolved to the first library loaded, so the baseline ran this
   # build's plan with its own kernels.
@@ -56,10 +56,14 @@ else
       -e "s/TORCH_LIBRARY_IMPL(astr,/TORCH_LIBRARY_IMPL($namespace,/g" \
       -e "s/\"astr::/\"$namespace::/g" \
       -e "s/\bnamespace astrai\b/namespace astrai_$namespace/g" \
-      -e "s/\bastrai::/astrai_$namespace::/g" {} +
+      -e "s/\bastrai::/astrai_$namespace::/g" \
+      -e "s/\bnamespace astr\b/namespace $namespace/g" \
+      -e "s/\bastr::/$namespace::/g" {} +
   find "$out/scripts" -type f -name '*.py' -exec sed -i \
     -e "s/\bnamespace astrai\b/namespace astrai_$namespace/g" \
-    -e "s/\bastrai::/astrai_$namespace::/g" {} +
+    -e "s/\bastrai::/astrai_$namespace::/g" \
+    -e "s/\bnamespace astr\b/namespace $namespace/g" \
+    -e "s/\bastr::/$namespace::/g" {} +
   left=$(grep -rnE 'TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(astr,|"astr::|"astr"' "$out/csrc" || true)
   if [ -n "$left" ]; then
     echo "$0: the namespace is still astr here (a form this script does not rename):" >&2

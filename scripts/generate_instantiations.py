@@ -95,7 +95,7 @@ FAMILIES = {
         "decode_persistent",
     ),
     "paged_prefill": (
-        "prefill_kernel.cuh",
+        "prefill_mma_sync_kernel.cuh",
         "run_paged_prefill",
         "const PagedKernelArgs&, cudaStream_t",
         None,
@@ -136,10 +136,10 @@ def instantiations(only_head_dim: Optional[int] = None):
                         f"{family}, head dim {hd.head_dim},\n// q {q.short}, kv {kv.short}. "
                         f"Do not edit.\n"
                         f'#include "kernels/paged_attention/{header}"\n\n'
-                        f"namespace astrai::kernels {{\n"
+                        f"namespace astr::kernels {{\n"
                         f"template LaunchStatus {template}<{hd.head_dim}, {q.cuda_type}, "
                         f"{kv_type}>({params});\n"
-                        f"}}  // namespace astrai::kernels\n"
+                        f"}}  // namespace astr::kernels\n"
                     )
                     files.append((name, text))
     return files

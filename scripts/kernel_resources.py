@@ -82,7 +82,7 @@ def parse(report: str):
 
 
 def short(name: str) -> str:
-    name = re.sub(r"astrai::kernels::", "", name)
+    name = re.sub(r"astr::kernels::", "", name)
     name = re.sub(r"\(.*\)$", "", name)
     return name
 

@@ -6,7 +6,7 @@
 
 #include <tuple>
 
-#include "../attention_args.h"
+#include "ops/attention_args.h"
 
 namespace astr {
 

@@ -8,7 +8,7 @@
 
 #include <limits>
 
-#include "backends.h"
+#include "backends/backends.h"
 
 namespace astr {
 

@@ -60,8 +60,8 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
                       " not supported (supported: float16, bfloat16)");
   }
   // The head dims the kernels were built for: config.h's list.
-  if (astrai::kernels::paged_head_dim_forms(call.head_dim) == nullptr) {
-    reasons.push_back(astrai::kernels::unsupported_head_dim_message(call.head_dim));
+  if (astr::kernels::paged_head_dim_forms(call.head_dim) == nullptr) {
+    reasons.push_back(astr::kernels::unsupported_head_dim_message(call.head_dim));
   }
   if (call.head_dim_v != call.head_dim) {
     reasons.push_back("v head_dim must equal q/k head_dim");

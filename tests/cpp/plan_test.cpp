@@ -14,15 +14,15 @@
 
 namespace {
 
-using astrai::kernels::decode_block_pairs_fill_gpu;
-using astrai::kernels::decode_eight_warp_blocks_pay;
-using astrai::kernels::decode_splits_filling_one_wave;
-using astrai::kernels::DecodeForm;
-using astrai::kernels::DecodePlan;
-using astrai::kernels::DecodeShape;
-using astrai::kernels::DeviceFacts;
-using astrai::kernels::KernelTuning;
-using astrai::kernels::PrefillKernel;
+using astr::kernels::decode_block_pairs_fill_gpu;
+using astr::kernels::decode_eight_warp_blocks_pay;
+using astr::kernels::decode_splits_filling_one_wave;
+using astr::kernels::DecodeForm;
+using astr::kernels::DecodePlan;
+using astr::kernels::DecodeShape;
+using astr::kernels::DeviceFacts;
+using astr::kernels::KernelTuning;
+using astr::kernels::PrefillKernel;
 
 constexpr int64_t kH200Slots = 132 * 2;
 constexpr int64_t pairs(int64_t batch, int64_t kv_heads = 8) { return batch * kv_heads; }
@@ -84,7 +84,7 @@ TEST(DecodeEightWarpBlocks, ReplaceThePairsUpTo16384Positions) {
 }
 
 TEST(DecodePersistentBlocks, RunAtThreeRoundsOfOneItemPerSmAndFromFive) {
-  using astrai::kernels::decode_persistent_blocks_pay;
+  using astr::kernels::decode_persistent_blocks_pay;
   // 132 SMs: the measured batch sizes at Hkv = 8 (items = 8 B), rounds = ceil(items / 132).
   EXPECT_FALSE(decode_persistent_blocks_pay(192, 132));  // B=24: 2 rounds
   EXPECT_FALSE(decode_persistent_blocks_pay(256, 132));  // B=32: 2
@@ -108,23 +108,23 @@ TEST(DecodePersistentBlocks, RunAtThreeRoundsOfOneItemPerSmAndFromFive) {
 
 // The rule's slots assume 2 single decode blocks per SM at D = 128 (4 at D = 64) and a block pair
 // in place of both (paged_attention_traits.h, with an H200 SM's shared-memory figures).
-using astrai::kernels::kBlockSharedMemoryLimitBytes;
+using astr::kernels::kBlockSharedMemoryLimitBytes;
 TEST(DecodeResidency, OnePersistentBlockPerSmAtHeadDim128) {
-  using Eight = astrai::kernels::PagedAttentionTraits<128, true, 1, 8>;
-  using Layout = astrai::kernels::PersistentDecodeLayout<Eight>;
+  using Eight = astr::kernels::PagedAttentionTraits<128, true, 1, 8>;
+  using Layout = astr::kernels::PersistentDecodeLayout<Eight>;
   EXPECT_LE(Layout::kSmemBytes, kBlockSharedMemoryLimitBytes);
   EXPECT_GT(Layout::kSmemBytes, 163 * 1024);  // not on an A100: the rule never asks there
   EXPECT_EQ(Layout::kSmemBytes, 209984);      // tests/kernels' persistent_decode_fits
 }
 
 constexpr int resident(int block_bytes) {
-  return astrai::kernels::kSmSharedMemoryBytes /
-         (block_bytes + astrai::kernels::kSharedMemoryReservedPerBlock);
+  return astr::kernels::kSmSharedMemoryBytes /
+         (block_bytes + astr::kernels::kSharedMemoryReservedPerBlock);
 }
 
 TEST(DecodeResidency, TwoSingleBlocksOrOnePairPerSmAtHeadDim128) {
-  using Single = astrai::kernels::PagedAttentionTraits<128, true>;
-  using Pair = astrai::kernels::PagedAttentionTraits<128, true, 2>;
+  using Single = astr::kernels::PagedAttentionTraits<128, true>;
+  using Pair = astr::kernels::PagedAttentionTraits<128, true, 2>;
   EXPECT_EQ(Single::kStages, 2);
   EXPECT_EQ(Single::kBlocksPerSm, 2);
   EXPECT_EQ(resident(Single::kBlockSmemBytes), 2);  // a third does not fit beside 2
@@ -133,11 +133,11 @@ TEST(DecodeResidency, TwoSingleBlocksOrOnePairPerSmAtHeadDim128) {
 }
 
 TEST(DecodeResidency, OneEightWarpBlockPerSmAtHeadDim128) {
-  using Eight = astrai::kernels::PagedAttentionTraits<128, true, 1, 8>;
+  using Eight = astr::kernels::PagedAttentionTraits<128, true, 1, 8>;
   EXPECT_EQ(Eight::kTileN, 128);  // 16 positions per warp, as in every decode group
   EXPECT_EQ(Eight::kStages, 2);
   EXPECT_TRUE(Eight::kPageIdRing);
-  EXPECT_FALSE((astrai::kernels::PagedAttentionTraits<128, true>::kPageIdRing));
+  EXPECT_FALSE((astr::kernels::PagedAttentionTraits<128, true>::kPageIdRing));
   EXPECT_EQ(Eight::kBlocksPerSm, 1);
   EXPECT_EQ(resident(Eight::kBlockSmemBytes), 1);
   EXPECT_LE(Eight::kBlockSmemBytes, kBlockSharedMemoryLimitBytes);
@@ -146,7 +146,7 @@ TEST(DecodeResidency, OneEightWarpBlockPerSmAtHeadDim128) {
 }
 
 TEST(DecodeResidency, FourBlocksPerSmAtHeadDim64) {
-  using D64 = astrai::kernels::PagedAttentionTraits<64, true>;
+  using D64 = astr::kernels::PagedAttentionTraits<64, true>;
   EXPECT_EQ(D64::kStages, 2);
   EXPECT_EQ(D64::kBlocksPerSm, 4);
   EXPECT_EQ(resident(D64::kBlockSmemBytes), 4);  // a fifth does not fit beside 4
@@ -155,17 +155,17 @@ TEST(DecodeResidency, FourBlocksPerSmAtHeadDim64) {
 }
 
 TEST(DecodeResidency, OneBlockPerSmAtHeadDim256) {
-  using D256 = astrai::kernels::PagedAttentionTraits<256, true>;
+  using D256 = astr::kernels::PagedAttentionTraits<256, true>;
   EXPECT_EQ(D256::kBlockSmemBytes, D256::kSmemBytes);
   EXPECT_EQ(D256::kBlocksPerSm, 1);
   EXPECT_EQ(resident(D256::kBlockSmemBytes), 1);
 }
 
 TEST(DecodeResidency, LaunchBoundsOnlyWhereRegistersWouldLimitResidency) {
-  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, true>::kMinBlocksPerSm), 0);
-  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, true, 2>::kMinBlocksPerSm), 0);
-  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<256, true>::kMinBlocksPerSm), 0);
-  EXPECT_EQ((astrai::kernels::PagedAttentionTraits<128, false>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astr::kernels::PagedAttentionTraits<128, true>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astr::kernels::PagedAttentionTraits<128, true, 2>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astr::kernels::PagedAttentionTraits<256, true>::kMinBlocksPerSm), 0);
+  EXPECT_EQ((astr::kernels::PagedAttentionTraits<128, false>::kMinBlocksPerSm), 0);
 }
 
 // ---- The plan ------------------------------------------------------------------------------
@@ -204,8 +204,8 @@ DecodeShape decode(int batch, int64_t length, int head_dim = 128, int kv_heads =
 DecodePlan plan(const DecodeShape& shape, const DeviceFacts& device = h200(),
                 const char* tuning = "") {
   KernelTuning parsed;
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning(tuning, &parsed), "");
-  return astrai::kernels::plan_paged_decode(shape, device, parsed);
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning(tuning, &parsed), "");
+  return astr::kernels::plan_paged_decode(shape, device, parsed);
 }
 
 TEST(DecodePlan, OneWaveOfTwoSplitsRunsEightWarpBlocksUpTo16384Positions) {
@@ -247,8 +247,8 @@ TEST(DecodePlan, TwoSplitsAtOtherHeadDimsMergeInAClusterOnHopper) {
 }
 
 TEST(DecodePlan, EveryBuiltHeadDimHasAPlan) {
-  for (const auto& row : astrai::kernels::kPagedHeadDims) {
-    if (!astrai::kernels::paged_head_dim_built(row.head_dim)) continue;
+  for (const auto& row : astr::kernels::kPagedHeadDims) {
+    if (!astr::kernels::paged_head_dim_built(row.head_dim)) continue;
     for (int batch : {1, 16, 64, 128}) {
       const DecodePlan p = plan(decode(batch, 4096, row.head_dim));
       EXPECT_EQ(p.error, "") << row.head_dim;
@@ -259,7 +259,7 @@ TEST(DecodePlan, EveryBuiltHeadDimHasAPlan) {
 
 TEST(DecodePlan, AnUnsupportedHeadDimNamesWhatIsSupported) {
   const DecodePlan p = plan(decode(16, 4096, 80));
-  EXPECT_EQ(p.error, astrai::kernels::unsupported_head_dim_message(80));
+  EXPECT_EQ(p.error, astr::kernels::unsupported_head_dim_message(80));
   EXPECT_NE(p.error.find("unsupported head_dim 80 (supported: "), std::string::npos);
 }
 
@@ -302,7 +302,7 @@ TEST(DecodePlan, AForcedSplitCountKeepsItsCount) {
 
 TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
   KernelTuning tuning;
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning(
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning(
                 "decode_form=eight_warps,decode_splits=4,persistent_blocks=7,"
                 "prefill_kernel=mma_sync",
                 &tuning),
@@ -314,10 +314,10 @@ TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
   for (const char* bad : {"decode_form=fast", "decode_splits=0", "decode_splits=x", "speed=1",
                           "decode_splits=70000"}) {
     KernelTuning unchanged = tuning;
-    EXPECT_NE(astrai::kernels::parse_kernel_tuning(bad, &unchanged), "") << bad;
+    EXPECT_NE(astr::kernels::parse_kernel_tuning(bad, &unchanged), "") << bad;
     EXPECT_EQ(unchanged.decode_splits, 4) << bad;
   }
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("", &tuning), "");
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("", &tuning), "");
   EXPECT_EQ(tuning.decode_form, DecodeForm::kAuto);
 }
 
@@ -325,50 +325,50 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   KernelTuning automatic;
   // D = 96 and 128 compile both wgmma prefills: the warp-specialised one runs, the first when
   // asked.
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(256, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(256, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, a100(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, a100(), automatic).kernel,
             PrefillKernel::kMmaSync);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, a100(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, a100(), automatic).kernel,
             PrefillKernel::kMmaSync);
   DeviceFacts no_sm90a = h200();
   no_sm90a.has_sm90a_code = false;
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, no_sm90a, automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, no_sm90a, automatic).kernel,
             PrefillKernel::kMmaSync);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, no_sm90a, automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, no_sm90a, automatic).kernel,
             PrefillKernel::kMmaSync);
   KernelTuning mma_sync;
   mma_sync.prefill_kernel = PrefillKernel::kMmaSync;
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), mma_sync).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), mma_sync).kernel,
             PrefillKernel::kMmaSync);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), mma_sync).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), mma_sync).kernel,
             PrefillKernel::kMmaSync);
   // A preference for a kernel the head dim does not compile gives the automatic choice.
   KernelTuning wgmma;
   wgmma.prefill_kernel = PrefillKernel::kWgmma;
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(64, h200(), wgmma).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), wgmma).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, h200(), wgmma).kernel, PrefillKernel::kWgmma);
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), wgmma).kernel, PrefillKernel::kWgmma);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), wgmma).kernel, PrefillKernel::kWgmma);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), wgmma).kernel, PrefillKernel::kWgmma);
   KernelTuning warp_specialized;
   warp_specialized.prefill_kernel = PrefillKernel::kWarpSpecialized;
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(96, h200(), warp_specialized).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), warp_specialized).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_NE(astrai::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
+  EXPECT_NE(astr::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
 }
 
 TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelReadsTheBytes) {
-  using astrai::kernels::Fp8Prefill;
-  using astrai::kernels::kFp8ScratchLimitBytes;
+  using astr::kernels::Fp8Prefill;
+  using astr::kernels::kFp8ScratchLimitBytes;
   auto first = [](int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                   std::optional<int64_t> scratch) {
-    return astrai::kernels::plan_paged_prefill(head_dim, device, tuning, scratch)
+    return astr::kernels::plan_paged_prefill(head_dim, device, tuning, scratch)
         .dequantize_fp8_first;
   };
   KernelTuning automatic;
@@ -382,14 +382,14 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
   // reads 16-bit tiles only there) reads the bytes too.
   EXPECT_FALSE(first(96, h200(), automatic, kFp8ScratchLimitBytes * 8));
   EXPECT_EQ(
-      astrai::kernels::plan_paged_prefill(96, h200(), automatic, kFp8ScratchLimitBytes * 8).kernel,
+      astr::kernels::plan_paged_prefill(96, h200(), automatic, kFp8ScratchLimitBytes * 8).kernel,
       PrefillKernel::kMmaSync);
   EXPECT_FALSE(first(128, a100(), automatic, kFp8ScratchLimitBytes * 8));
   EXPECT_TRUE(first(128, a100(), automatic, kFp8ScratchLimitBytes));
   // The warp-specialised prefill (D = 64, 256 on the H200) reads 16-bit pages only: within the
   // limit it runs on dequantized pages, beyond it the mma.sync prefill reads the bytes.
   auto kernel = [](int head_dim, const KernelTuning& tuning, int64_t scratch) {
-    return astrai::kernels::plan_paged_prefill(head_dim, h200(), tuning, scratch).kernel;
+    return astr::kernels::plan_paged_prefill(head_dim, h200(), tuning, scratch).kernel;
   };
   EXPECT_TRUE(first(64, h200(), automatic, kFp8ScratchLimitBytes));
   EXPECT_EQ(kernel(64, automatic, kFp8ScratchLimitBytes), PrefillKernel::kWarpSpecialized);
@@ -409,17 +409,17 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
   EXPECT_EQ(kernel(64, dequantize, kFp8ScratchLimitBytes * 8), PrefillKernel::kWarpSpecialized);
   KernelTuning parsed;
   EXPECT_EQ(
-      astrai::kernels::parse_kernel_tuning("prefill_kernel=wgmma,fp8_prefill=in_kernel", &parsed),
+      astr::kernels::parse_kernel_tuning("prefill_kernel=wgmma,fp8_prefill=in_kernel", &parsed),
       "");
   EXPECT_EQ(parsed.fp8_prefill, Fp8Prefill::kInKernel);
-  EXPECT_NE(astrai::kernels::parse_kernel_tuning("fp8_prefill=registers", &parsed), "");
+  EXPECT_NE(astr::kernels::parse_kernel_tuning("fp8_prefill=registers", &parsed), "");
 }
 
 TEST(PrefillPlan, TheWarpSpecializedKernelCopiesByTmaBoxesUnlessTunedToGather) {
-  using astrai::kernels::PrefillLoads;
+  using astr::kernels::PrefillLoads;
   auto boxes = [](int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                   std::optional<int64_t> fp8_scratch = std::nullopt) {
-    return astrai::kernels::plan_paged_prefill(head_dim, device, tuning, fp8_scratch).pool_boxes;
+    return astr::kernels::plan_paged_prefill(head_dim, device, tuning, fp8_scratch).pool_boxes;
   };
   KernelTuning automatic;
   EXPECT_TRUE(boxes(64, h200(), automatic));
@@ -430,26 +430,26 @@ TEST(PrefillPlan, TheWarpSpecializedKernelCopiesByTmaBoxesUnlessTunedToGather) {
   wgmma.prefill_kernel = PrefillKernel::kWgmma;
   EXPECT_FALSE(boxes(96, h200(), wgmma));
   EXPECT_FALSE(boxes(64, a100(), automatic));
-  EXPECT_FALSE(boxes(64, h200(), automatic, astrai::kernels::kFp8ScratchLimitBytes + 1));
+  EXPECT_FALSE(boxes(64, h200(), automatic, astr::kernels::kFp8ScratchLimitBytes + 1));
   KernelTuning gather;
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_loads=cp_async", &gather), "");
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("prefill_loads=cp_async", &gather), "");
   EXPECT_EQ(gather.prefill_loads, PrefillLoads::kCpAsync);
   EXPECT_FALSE(boxes(64, h200(), gather));
   KernelTuning tma;
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_loads=tma", &tma), "");
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("prefill_loads=tma", &tma), "");
   EXPECT_TRUE(boxes(256, h200(), tma));
-  EXPECT_NE(astrai::kernels::parse_kernel_tuning("prefill_loads=bulk", &tma), "");
+  EXPECT_NE(astr::kernels::parse_kernel_tuning("prefill_loads=bulk", &tma), "");
 }
 
 TEST(PrefillPlan, BlocksGoInPanelsOfPairsWhoseKvFitsHalfTheL2) {
-  using astrai::kernels::PrefillKvFootprint;
+  using astr::kernels::PrefillKvFootprint;
   DeviceFacts device = h200();
   device.l2_cache_bytes = 50 << 20;
   auto panel = [&](int64_t pairs, int64_t positions, const KernelTuning& tuning = {}) {
     PrefillKvFootprint kv;
     kv.pairs = pairs;
     kv.bytes_per_pair = positions * 128 * 2 * 2;  // D = 128, K and V, bf16
-    return astrai::kernels::plan_paged_prefill(128, device, tuning, std::nullopt, kv).panel_pairs;
+    return astr::kernels::plan_paged_prefill(128, device, tuning, std::nullopt, kv).panel_pairs;
   };
   // 25 MB: 0.5 MB a pair at 1024 positions, 8 MB at 16384 (B=1, Hkv=8 reads 64 MB).
   EXPECT_EQ(panel(8, 16384), 3);
@@ -460,21 +460,21 @@ TEST(PrefillPlan, BlocksGoInPanelsOfPairsWhoseKvFitsHalfTheL2) {
   EXPECT_EQ(panel(4, 1 << 20), 1);  // one pair beyond the L2: panels of one
   EXPECT_EQ(panel(1, 1 << 20), 0);
   // No footprint, or no L2 known: one panel.
-  EXPECT_EQ(astrai::kernels::plan_paged_prefill(128, device, KernelTuning{}).panel_pairs, 0);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, device, KernelTuning{}).panel_pairs, 0);
   device.l2_cache_bytes = 0;
   EXPECT_EQ(panel(8, 16384), 0);
   device.l2_cache_bytes = 50 << 20;
   // The tuning: a panel width, or all pairs.
   KernelTuning tuned;
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=5", &tuned), "");
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("prefill_l2_panel=5", &tuned), "");
   EXPECT_EQ(panel(8, 1024, tuned), 5);
   EXPECT_EQ(panel(4, 1024, tuned), 0);  // 5 of 4 pairs: one panel
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=all", &tuned), "");
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("prefill_l2_panel=all", &tuned), "");
   EXPECT_EQ(panel(8, 16384, tuned), 0);
-  EXPECT_EQ(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=auto", &tuned), "");
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("prefill_l2_panel=auto", &tuned), "");
   EXPECT_EQ(panel(8, 16384, tuned), 3);
-  EXPECT_NE(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=0", &tuned), "");
-  EXPECT_NE(astrai::kernels::parse_kernel_tuning("prefill_l2_panel=wide", &tuned), "");
+  EXPECT_NE(astr::kernels::parse_kernel_tuning("prefill_l2_panel=0", &tuned), "");
+  EXPECT_NE(astr::kernels::parse_kernel_tuning("prefill_l2_panel=wide", &tuned), "");
 }
 
 }  // namespace

@@ -173,7 +173,7 @@ TEST(CudaCapability, RejectsWhatTheKernelsCannotRun) {
   EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
   call.head_dim = call.head_dim_v = 80;
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
-                       astrai::kernels::unsupported_head_dim_message(80)));
+                       astr::kernels::unsupported_head_dim_message(80)));
   call.head_dim = call.head_dim_v = 96;  // config.h lists it
   EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
   call = paged_decode();

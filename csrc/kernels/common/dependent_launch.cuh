@@ -10,7 +10,7 @@
 
 #include <utility>
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // Launches `kernel` on `stream`, as the dependent of the stream's previous kernel when `dependent`
 // (callers pass false before sm_90), else as a plain launch. Returns the launch's error.
@@ -33,4 +33,4 @@ cudaError_t launch_maybe_dependent(void (*kernel)(KernelParams...), dim3 grid, d
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

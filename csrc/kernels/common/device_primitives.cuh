@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
@@ -287,4 +287,4 @@ __device__ __forceinline__ int swizzled_128b_tile_offset(int row, int chunk) {
   return (chunk / 8) * kRows * 64 + row * 64 + (((chunk % 8) ^ (row % 8)) * 8);
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

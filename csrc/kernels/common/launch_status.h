@@ -5,7 +5,7 @@
 
 #include <string>
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // Empty `error` on success, otherwise a message for the user (an unsupported configuration, or
 // the CUDA error reported right after the launch).
@@ -21,4 +21,4 @@ inline LaunchStatus status_after_launch(const char* what) {
   return {std::string(what) + ": " + cudaGetErrorString(error)};
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

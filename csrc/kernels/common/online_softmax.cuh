@@ -7,7 +7,7 @@
 
 #include "device_primitives.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // score(nt, e) is this lane's score e (0, 1) of n8 block nt of the row, unscaled when the scale
 // is folded into exp_scale (scale * log2 e > 0: exp2(s * c - max * c), one FFMA a score), scaled
@@ -64,4 +64,4 @@ __device__ __forceinline__ float online_softmax_row(Score score, float& row_max,
   return alpha;
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

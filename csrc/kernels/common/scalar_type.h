@@ -1,7 +1,7 @@
 // Element types the kernels read and write, as the bindings name them (torch-free).
 #pragma once
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 enum class ScalarType : int {
   kFloat16 = 0,
@@ -29,4 +29,4 @@ constexpr bool is_fp8(ScalarType type) {
   return type == ScalarType::kFloat8E4M3 || type == ScalarType::kFloat8E5M2;
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

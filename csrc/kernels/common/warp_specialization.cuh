@@ -15,7 +15,7 @@
 
 #include "device_primitives.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Before any thread uses it, and followed by a barrier that orders the initialisation before use.
@@ -97,4 +97,4 @@ __device__ __forceinline__ void claim_registers() {
 }
 #endif
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -21,7 +21,7 @@
 
 #include "device_primitives.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // Shared-memory matrix descriptor (PTX ISA, "matrix descriptor format"): start address, leading
 // and stride byte offsets (all in 16-byte units), 128-byte swizzle (mode 1 in bits 62-63). The
@@ -104,4 +104,4 @@ __device__ __forceinline__ void pin_registers(uint32_t (&a)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -6,7 +6,7 @@
 
 #include "kv_cache.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 namespace {
 
@@ -145,4 +145,4 @@ LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream)
   return {};
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -12,7 +12,7 @@
 
 #include "kv_cache.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 namespace {
 
@@ -109,4 +109,4 @@ LaunchStatus launch_dequantize_pages(const DequantizePagesParams& params, cudaSt
   return {"dequantize_pages: the cache is float8_e4m3fn or float8_e5m2"};
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

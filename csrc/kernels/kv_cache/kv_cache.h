@@ -10,7 +10,7 @@
 #include "../common/launch_status.h"
 #include "../common/scalar_type.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // k_cache[slot / S, slot % S, h, :] = k[t, h, :] (same for v) for every token t whose
 // slot_mapping[t] = slot is in [0, P * S); other slots (negative: padding) skip the token. FP8
@@ -75,4 +75,4 @@ struct DequantizePagesParams {
 
 LaunchStatus launch_dequantize_pages(const DequantizePagesParams& params, cudaStream_t stream);
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

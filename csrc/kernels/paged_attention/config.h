@@ -13,7 +13,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // Head dims with kernels, and which optional forms each one compiles. Every head dim has the
 // decode (blocks of 4 warps, splits merged by the merge kernel or in a thread-block cluster) and
@@ -122,4 +122,4 @@ inline std::string unsupported_head_dim_message(int head_dim) {
          " (supported: " + paged_head_dims_text() + ")";
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

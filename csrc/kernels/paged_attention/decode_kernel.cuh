@@ -32,7 +32,7 @@
 #include "traits.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // kSoftcap: the softcap it is compiled for (variant.cuh); kE5M2: an FP8 cache holds e5m2 (else
 // e4m3).
@@ -377,4 +377,4 @@ LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cuda
   return launch_paged_decode<DecodeTraits<D, kKVBytes>, T, KV>(args, stream);
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

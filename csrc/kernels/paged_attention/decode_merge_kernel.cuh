@@ -24,7 +24,7 @@
 #include "instantiations.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 constexpr int kMergeRound = 8;  // splits per thread whose loads are in flight together
 
@@ -147,4 +147,4 @@ LaunchStatus launch_paged_decode_merge(const PagedKernelArgs& args, cudaStream_t
   return status_after_launch("paged_decode_merge_kernel");
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

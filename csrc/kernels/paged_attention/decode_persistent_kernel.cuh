@@ -55,7 +55,7 @@
 #include "traits.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // Zeroes the persistent decode's claim counter and lets the decode start at once (a no-op for a
 // plain launch).
@@ -381,4 +381,4 @@ LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream
   return status_after_launch("paged_decode_persistent_kernel");
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -12,7 +12,7 @@
 #include "params.h"
 #include "plan.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // Everything a kernel reads, flattened from the params and the plan.
 struct PagedKernelArgs {
@@ -46,7 +46,7 @@ LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cuda
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream);
 
-// Prefill on mma.sync (prefill_kernel.cuh), sm_80 and newer.
+// Prefill on mma.sync (prefill_mma_sync_kernel.cuh), sm_80 and newer.
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream);
 
@@ -59,4 +59,4 @@ LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t s
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cudaStream_t stream);
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

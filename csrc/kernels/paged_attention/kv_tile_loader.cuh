@@ -46,7 +46,7 @@
 #include "params.h"
 #include "traits.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // What the loader needs to address one (sequence, kv head)'s rows of the pool.
 struct KVTileSource {
@@ -329,4 +329,4 @@ struct KVTileLoader {
   }
 };
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -15,7 +15,7 @@
 #include "launch.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 namespace {
 
@@ -207,4 +207,4 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
   return status;
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

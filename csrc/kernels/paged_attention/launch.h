@@ -9,7 +9,7 @@
 #include "params.h"
 #include "plan.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // What the plans read of the current device and of this build, kept per device.
 DeviceFacts current_device_facts();
@@ -21,4 +21,4 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePl
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const PrefillPlan& plan,
                                   cudaStream_t stream);
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

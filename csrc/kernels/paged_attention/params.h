@@ -12,7 +12,7 @@
 
 #include "../common/scalar_type.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // Fields common to the decode and prefill kernels.
 //
@@ -92,4 +92,4 @@ struct PagedDecodeParams : PagedAttentionParams {
   float* workspace;               // plan.workspace_floats floats, or null when the plan needs none
 };
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

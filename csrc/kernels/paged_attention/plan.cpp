@@ -6,7 +6,7 @@
 #include "config.h"
 #include "traits.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 namespace {
 
@@ -402,4 +402,4 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
   return plan;
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -34,7 +34,7 @@
 #include <string>
 #include <string_view>
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // ---- The plan's inputs ------------------------------------------------------------------------
 
@@ -278,4 +278,4 @@ constexpr int64_t prefill_panel_pairs(int64_t kv_bytes_per_pair, int64_t l2_cach
   return std::max<int64_t>(l2_cache_bytes / 2 / kv_bytes_per_pair, 1);
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -5,7 +5,7 @@
 
 #include "pool_tensor_map.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 namespace {
 
@@ -118,4 +118,4 @@ bool encode_pool_tensor_maps(const PagedAttentionParams& p, int tile_rows, PoolT
   return true;
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

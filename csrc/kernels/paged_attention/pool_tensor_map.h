@@ -26,7 +26,7 @@
 
 #include "params.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // The K and V maps of one call, passed to the kernel as a __grid_constant__ parameter (the
 // instruction reads the map from there). log2_box_rows == 0: no maps (page sizes below 8, strides
@@ -74,4 +74,4 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap& map) {
 }
 #endif  // __CUDACC__
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -42,7 +42,7 @@
 #include "variant.cuh"
 #include "wgmma_row_tile.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // kBoxes_: the producer copies by TMA boxes (pool_tensor_map.h), gathering only a last tile that
 // reaches past the kv range; otherwise it gathers every tile with cp.async (kv_tile_loader.cuh).
@@ -368,7 +368,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     // S = Q K^T and O += P V of a stage's tiles (wgmma_row_tile.cuh), issued, not waited for.
     auto issue_scores = [&](int stage) {
       // The Q descriptors derived again every tile (opaque_copy), not kept through the loop.
-      astrai::kernels::issue_scores<T, D, kTileN, kBlockRows>(
+      astr::kernels::issue_scores<T, D, kTileN, kBlockRows>(
           s_acc, opaque_copy(q_rows), shared_address(k_smem + stage * Traits::kTileElements));
     };
     auto issue_pv = [&](int stage) {
@@ -488,4 +488,4 @@ LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cud
   return launch(std::false_type{}, maps);
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -1,5 +1,5 @@
 // Paged prefill on Hopper's warpgroup multiply (wgmma, sm_90a) and its launcher. The plan picks it
-// over prefill_kernel.cuh's mma.sync prefill on sm_90 when the library was built for sm_90a and
+// over prefill_mma_sync_kernel.cuh's mma.sync prefill on sm_90 when the library was built for sm_90a and
 // the head dim compiles it (config.h, plan.h).
 //
 // Same work split and semantics as the mma.sync prefill (traits.h, variant.cuh): a block owns
@@ -51,7 +51,7 @@
 #include "variant.cuh"
 #include "wgmma_row_tile.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // kKVBytes_: the cache's element size, 2 (q's 16-bit type) or 1 (FP8, converted in shared memory).
 template <int kHeadDim_, int kKVBytes_ = 2>
@@ -319,4 +319,4 @@ LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t s
   }
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -15,7 +15,7 @@
 #include "params.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // The (sequence, kv head) pair and row tile of a prefill block (grid: prepare_row_tile_launch).
 // Blocks start in the order of their linear index (x fastest); that order goes panel by panel of
@@ -175,4 +175,4 @@ LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for,
   return status_after_launch(name);
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

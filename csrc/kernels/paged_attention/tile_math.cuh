@@ -1,6 +1,6 @@
 // A warp's work on one K/V tile in shared memory, and the decode's merge of its warps' softmax
 // states: shared by the mma.sync kernels (decode_kernel.cuh, decode_persistent_kernel.cuh,
-// prefill_kernel.cuh).
+// prefill_mma_sync_kernel.cuh).
 //
 // attend_kv_tile: S = Q K^T for the warp's rows x Traits::kWarpTileN kv positions of the tile
 // (starting at warp_col0 inside it), the score transform (variant.cuh), the caller's mask, the
@@ -19,7 +19,7 @@
 #include "params.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // The running softmax state of a warp's rows: O (unnormalized), the running max of the scores
 // (unscaled when the scale is folded) and this lane's running sum of exp2.
@@ -381,4 +381,4 @@ __device__ __forceinline__ MergedRows<Traits> merge_warp_states(
   return merged;
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -1,7 +1,7 @@
 // Tile shapes of the paged attention kernels, one place for every choice. Plain C++: the plan
 // (plan.cpp) counts residency and shared memory from these on any machine.
 //
-// Both kernels (decode_kernel.cuh, prefill_kernel.cuh) run the same warp routine (FlashAttention-2:
+// Both kernels (decode_kernel.cuh, prefill_mma_sync_kernel.cuh) run the same warp routine (FlashAttention-2:
 // S = Q K^T and O += P V on mma.sync.m16n8k16 with fp32 accumulators, online softmax in registers)
 // over query "rows" that pack (new token, q head of the GQA group) pairs: row r of kv head h is
 // token r / G, q head h * G + r % G. Packing the group into rows makes every K/V tile loaded into
@@ -42,7 +42,7 @@
 // pairs flatly (kv_tile_loader.cuh, tile_math.cuh).
 #pragma once
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 constexpr bool is_power_of_two(int value) { return value > 0 && (value & (value - 1)) == 0; }
 constexpr int ilog2(int value) { return value > 1 ? 1 + ilog2(value / 2) : 0; }
@@ -217,4 +217,4 @@ struct PersistentDecodeLayout {
   static_assert(kSmemBytes <= kBlockSharedMemoryLimitBytes, "one block per SM");
 };
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -1,6 +1,6 @@
 // The variant layer: what each query row sees, how its scores are shaped and how its final state
 // becomes an output row. Every paged kernel (decode_kernel.cuh, decode_persistent_kernel.cuh,
-// prefill_kernel.cuh, prefill_wgmma_kernel.cuh, prefill_warp_specialized_kernel.cuh, and the merge
+// prefill_mma_sync_kernel.cuh, prefill_wgmma_kernel.cuh, prefill_warp_specialized_kernel.cuh, and the merge
 // kernel for split decodes) asks here, so a mask or score variant is written once (csrc/README.md
 // has the recipe).
 //
@@ -25,7 +25,7 @@
 #include "../common/device_primitives.cuh"
 #include "params.h"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -278,4 +278,4 @@ __device__ __forceinline__ float poison_sum(float l, bool poisoned) {
   return poisoned ? __int_as_float(0x7fffffff) : l;
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -23,7 +23,7 @@
 #include "params.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 #if defined(ASTRAI_HAS_WGMMA)
 // S = Q K^T of one tile into s, issued (committed as one wgmma group), not waited for. q_rows: the
@@ -191,4 +191,4 @@ __device__ __forceinline__ void store_finished_rows(
   }
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -14,13 +14,13 @@
 #include <string>
 #include <tuple>
 
-#include "../check.h"
-#include "../kernel_settings.h"
-#include "../kernels/kv_cache/kv_cache.h"
-#include "../kernels/paged_attention/config.h"
-#include "../kernels/paged_attention/launch.h"
+#include "support/check.h"
+#include "support/kernel_settings.h"
+#include "kernels/kv_cache/kv_cache.h"
+#include "kernels/paged_attention/config.h"
+#include "kernels/paged_attention/launch.h"
 
-namespace astrai::backends {
+namespace astr::backends {
 namespace {
 
 using kernels::ScalarType;
@@ -343,4 +343,4 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
 
 TORCH_LIBRARY_IMPL(astr, CUDA, m) { m.impl("cuda_paged_attention", &cuda_paged_attention); }
 
-}  // namespace astrai::backends
+}  // namespace astr::backends

@@ -5,11 +5,11 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include "../check.h"
-#include "../kernels/kv_cache/kv_cache.h"
-#include "append_kv_checks.h"
+#include "support/check.h"
+#include "kernels/kv_cache/kv_cache.h"
+#include "ops/append_kv_checks.h"
 
-namespace astrai::backends {
+namespace astr::backends {
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name, int element_size) {
@@ -97,4 +97,4 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
 
 TORCH_LIBRARY_IMPL(astr, CUDA, m) { m.impl("append_kv", &append_kv); }
 
-}  // namespace astrai::backends
+}  // namespace astr::backends

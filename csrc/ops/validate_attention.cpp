@@ -7,10 +7,10 @@
 #include <cmath>
 #include <string>
 
-#include "attention_args.h"
-#include "check.h"
-#include "device_arch.h"
-#include "kernel_settings.h"
+#include "ops/attention_args.h"
+#include "support/check.h"
+#include "support/device_arch.h"
+#include "support/kernel_settings.h"
 
 namespace astr {
 

@@ -2,7 +2,7 @@
 // astr::cuda_paged_attention, whose CUDA kernel lives in cuda_paged_attention.cu.
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include "backends.h"
+#include "backends/backends.h"
 
 namespace astr {
 

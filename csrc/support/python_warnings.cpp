@@ -1,11 +1,11 @@
 // The one file that calls the Python C API (limited API, as python_module.cpp): the library is
 // only ever loaded into a Python process (torch.ops.load_library).
-#include "python_warnings.h"
+#include "support/python_warnings.h"
 
 #include <Python.h>
 #include <c10/util/Exception.h>
 
-#include "check.h"
+#include "support/check.h"
 
 namespace astr {
 

@@ -1,10 +1,10 @@
-#include "append_kv_checks.h"
+#include "ops/append_kv_checks.h"
 
 #include <string>
 #include <utility>
 
-#include "../check.h"
-#include "../ops.h"
+#include "support/check.h"
+#include "ops/ops.h"
 
 namespace astr {
 

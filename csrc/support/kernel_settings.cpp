@@ -1,12 +1,12 @@
-#include "kernel_settings.h"
+#include "support/kernel_settings.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 
-#include "check.h"
-#include "ops.h"
+#include "support/check.h"
+#include "ops/ops.h"
 
 namespace astr {
 
@@ -14,7 +14,7 @@ namespace {
 
 struct TuningState {
   std::mutex mutex;
-  astrai::kernels::KernelTuning tuning;
+  astr::kernels::KernelTuning tuning;
   std::string text;
 };
 
@@ -22,7 +22,7 @@ TuningState& tuning_state() {
   static TuningState* state = [] {
     auto* s = new TuningState;
     if (const char* env = std::getenv("ASTR_KERNEL_TUNING")) {
-      const std::string error = astrai::kernels::parse_kernel_tuning(env, &s->tuning);
+      const std::string error = astr::kernels::parse_kernel_tuning(env, &s->tuning);
       if (error.empty()) {
         s->text = env;
       } else {
@@ -44,7 +44,7 @@ std::atomic<bool>& checks_flag() {
 
 }  // namespace
 
-astrai::kernels::KernelTuning current_kernel_tuning() {
+astr::kernels::KernelTuning current_kernel_tuning() {
   TuningState& state = tuning_state();
   std::lock_guard<std::mutex> lock(state.mutex);
   return state.tuning;
@@ -54,8 +54,8 @@ bool metadata_checks_enabled() { return checks_flag().load(std::memory_order_rel
 
 void set_kernel_tuning(c10::string_view tuning) {
   const std::string text(tuning.data(), tuning.size());
-  astrai::kernels::KernelTuning parsed;
-  const std::string error = astrai::kernels::parse_kernel_tuning(text, &parsed);
+  astr::kernels::KernelTuning parsed;
+  const std::string error = astr::kernels::parse_kernel_tuning(text, &parsed);
   ASTR_CHECK_VALUE(error.empty(), "tuning: ", error);
   TuningState& state = tuning_state();
   std::lock_guard<std::mutex> lock(state.mutex);

@@ -9,7 +9,7 @@ namespace astr {
 
 // The current tuning: automatic unless ASTR_KERNEL_TUNING (read at library load) or
 // set_kernel_tuning says otherwise.
-astrai::kernels::KernelTuning current_kernel_tuning();
+astr::kernels::KernelTuning current_kernel_tuning();
 
 // Checked mode (ASTR_CHECK_METADATA=1 at load, or set_metadata_checks(true)): every paged call
 // reads its metadata back to the host and validates it before running (describe_call.cpp), so bad

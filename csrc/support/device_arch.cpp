@@ -1,4 +1,4 @@
-#include "device_arch.h"
+#include "support/device_arch.h"
 
 #ifdef ASTR_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>

@@ -30,7 +30,7 @@
 #include "traits.h"
 #include "variant.cuh"
 
-namespace astrai::kernels {
+namespace astr::kernels {
 
 // kSoftcap: the softcap it is compiled for (variant.cuh); kE5M2: an FP8 cache holds e5m2 (else
 // e4m3).
@@ -202,4 +202,4 @@ LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream)
       "paged_prefill_kernel");
 }
 
-}  // namespace astrai::kernels
+}  // namespace astr::kernels

@@ -12,15 +12,15 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "attention_args.h"
+#include "ops/attention_args.h"
 #include "backends/backends.h"
-#include "check.h"
+#include "support/check.h"
 #include "dispatch/backend_status.h"
 #include "dispatch/capability.h"
 #include "dispatch/override_stack.h"
 #include "dispatch/resolver.h"
-#include "ops.h"
-#include "python_warnings.h"
+#include "ops/ops.h"
+#include "support/python_warnings.h"
 
 namespace astr {
 

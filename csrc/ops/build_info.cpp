@@ -4,7 +4,7 @@
 
 #include "dispatch/backend_status.h"
 #include "kernels/paged_attention/config.h"
-#include "ops.h"
+#include "ops/ops.h"
 
 #ifndef ASTR_TORCH_VERSION
 #define ASTR_TORCH_VERSION "unknown"
@@ -44,10 +44,10 @@ namespace {
 // What the cuda kernels were built for (config.h's list, less what a development build left
 // out), for `info` and the tests: {"head_dims": [...], "q_dtypes": [...], "forms": {D: [...]}}.
 std::string kernel_list_json() {
-  using astrai::kernels::HeadDimForms;
+  using astr::kernels::HeadDimForms;
   std::string dims, forms;
-  for (const HeadDimForms& row : astrai::kernels::kPagedHeadDims) {
-    if (!astrai::kernels::paged_head_dim_built(row.head_dim)) continue;
+  for (const HeadDimForms& row : astr::kernels::kPagedHeadDims) {
+    if (!astr::kernels::paged_head_dim_built(row.head_dim)) continue;
     const std::string d = std::to_string(row.head_dim);
     if (!dims.empty()) {
       dims += ", ";

@@ -3,7 +3,7 @@
 // astrai/extension/ops.py.
 #include <torch/library.h>
 
-#include "ops.h"
+#include "ops/ops.h"
 
 TORCH_LIBRARY(astr, m) {
   // Attention over dense q/k/v or a paged KV cache; picks the backend (see csrc/dispatch). The

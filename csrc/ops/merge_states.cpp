@@ -5,8 +5,8 @@
 #include <limits>
 #include <tuple>
 
-#include "check.h"
-#include "ops.h"
+#include "support/check.h"
+#include "ops/ops.h"
 
 namespace astr {
 
