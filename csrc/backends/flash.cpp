@@ -2,8 +2,8 @@
 // registers (wrapping the flash-attn package) once it has imported the package.
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include "support/check.h"
 #include "backends/backends.h"
+#include "support/check.h"
 
 namespace astr {
 

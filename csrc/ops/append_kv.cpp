@@ -1,9 +1,9 @@
 // astr::append_kv on the CPU: scatter new tokens' k/v into the paged pools.
 #include <ATen/ATen.h>
 
-#include "support/check.h"
-#include "ops/ops.h"
 #include "ops/append_kv_checks.h"
+#include "ops/ops.h"
+#include "support/check.h"
 
 namespace astr {
 

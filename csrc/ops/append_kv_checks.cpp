@@ -3,8 +3,8 @@
 #include <string>
 #include <utility>
 
-#include "support/check.h"
 #include "ops/ops.h"
+#include "support/check.h"
 
 namespace astr {
 

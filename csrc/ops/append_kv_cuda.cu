@@ -5,9 +5,9 @@
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
-#include "support/check.h"
 #include "kernels/kv_cache/kv_cache.h"
 #include "ops/append_kv_checks.h"
+#include "support/check.h"
 
 namespace astr::backends {
 namespace {

@@ -12,14 +12,14 @@
 #include <tuple>
 #include <unordered_map>
 
-#include "ops/attention_args.h"
 #include "backends/backends.h"
-#include "support/check.h"
 #include "dispatch/backend_status.h"
 #include "dispatch/capability.h"
 #include "dispatch/override_stack.h"
 #include "dispatch/resolver.h"
+#include "ops/attention_args.h"
 #include "ops/ops.h"
+#include "support/check.h"
 #include "support/python_warnings.h"
 
 namespace astr {

@@ -5,8 +5,8 @@
 #include <limits>
 #include <tuple>
 
-#include "support/check.h"
 #include "ops/ops.h"
+#include "support/check.h"
 
 namespace astr {
 

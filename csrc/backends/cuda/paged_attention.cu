@@ -14,11 +14,11 @@
 #include <string>
 #include <tuple>
 
-#include "support/check.h"
-#include "support/kernel_settings.h"
 #include "kernels/kv_cache/kv_cache.h"
 #include "kernels/paged_attention/config.h"
 #include "kernels/paged_attention/launch.h"
+#include "support/check.h"
+#include "support/kernel_settings.h"
 
 namespace astr::backends {
 namespace {

@@ -1,6 +1,6 @@
 // Paged prefill on Hopper's warpgroup multiply (wgmma, sm_90a) and its launcher. The plan picks it
-// over prefill_mma_sync_kernel.cuh's mma.sync prefill on sm_90 when the library was built for sm_90a and
-// the head dim compiles it (config.h, plan.h).
+// over prefill_mma_sync_kernel.cuh's mma.sync prefill on sm_90 when the library was built for
+// sm_90a and the head dim compiles it (config.h, plan.h).
 //
 // Same work split and semantics as the mma.sync prefill (traits.h, variant.cuh): a block owns
 // kBlockRows packed query rows (new token, q head of the GQA group) of one (sequence, kv head) and

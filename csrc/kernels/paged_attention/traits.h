@@ -1,11 +1,11 @@
 // Tile shapes of the paged attention kernels, one place for every choice. Plain C++: the plan
 // (plan.cpp) counts residency and shared memory from these on any machine.
 //
-// Both kernels (decode_kernel.cuh, prefill_mma_sync_kernel.cuh) run the same warp routine (FlashAttention-2:
-// S = Q K^T and O += P V on mma.sync.m16n8k16 with fp32 accumulators, online softmax in registers)
-// over query "rows" that pack (new token, q head of the GQA group) pairs: row r of kv head h is
-// token r / G, q head h * G + r % G. Packing the group into rows makes every K/V tile loaded into
-// shared memory serve all G q heads that read it.
+// Both kernels (decode_kernel.cuh, prefill_mma_sync_kernel.cuh) run the same warp routine
+// (FlashAttention-2: S = Q K^T and O += P V on mma.sync.m16n8k16 with fp32 accumulators, online
+// softmax in registers) over query "rows" that pack (new token, q head of the GQA group) pairs: row
+// r of kv head h is token r / G, q head h * G + r % G. Packing the group into rows makes every K/V
+// tile loaded into shared memory serve all G q heads that read it.
 //
 // Decode (one token per sequence): a block owns 16 rows (one GQA group, padded to 16; groups larger
 // than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their

@@ -1,8 +1,8 @@
 // The variant layer: what each query row sees, how its scores are shaped and how its final state
 // becomes an output row. Every paged kernel (decode_kernel.cuh, decode_persistent_kernel.cuh,
-// prefill_mma_sync_kernel.cuh, prefill_wgmma_kernel.cuh, prefill_warp_specialized_kernel.cuh, and the merge
-// kernel for split decodes) asks here, so a mask or score variant is written once (csrc/README.md
-// has the recipe).
+// prefill_mma_sync_kernel.cuh, prefill_wgmma_kernel.cuh, prefill_warp_specialized_kernel.cuh, and
+// the merge kernel for split decodes) asks here, so a mask or score variant is written once
+// (csrc/README.md has the recipe).
 //
 // Rows pack (new token, q head of the GQA group): row r of kv head h is new token r / G of the
 // sequence, q head h * G + r % G (G = num_q_heads / num_kv_heads). New token i of a sequence sits
