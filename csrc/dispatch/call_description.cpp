@@ -29,26 +29,6 @@ std::string valid_backend_names() {
   return names;
 }
 
-const char* scalar_kind_name(ScalarKind kind) {
-  switch (kind) {
-    case ScalarKind::kFloat16:
-      return "float16";
-    case ScalarKind::kBFloat16:
-      return "bfloat16";
-    case ScalarKind::kFloat32:
-      return "float32";
-    case ScalarKind::kFloat64:
-      return "float64";
-    case ScalarKind::kFloat8E4M3:
-      return "float8_e4m3fn";
-    case ScalarKind::kFloat8E5M2:
-      return "float8_e5m2";
-    case ScalarKind::kOther:
-      return "other";
-  }
-  return "other";
-}
-
 const char* device_kind_name(DeviceKind kind) {
   switch (kind) {
     case DeviceKind::kCPU:

@@ -7,6 +7,8 @@
 #include <string>
 #include <string_view>
 
+#include "../kernels/common/scalar_type.h"
+
 namespace astr::dispatch {
 
 // The one list of built-in backends, in default priority order (cuda > flash > torch_native):
@@ -37,19 +39,17 @@ std::optional<Backend> parse_backend(std::string_view name);
 // "cuda, flash, torch_native": for error messages.
 std::string valid_backend_names();
 
-enum class ScalarKind { kFloat16, kBFloat16, kFloat32, kFloat64, kFloat8E4M3, kFloat8E5M2, kOther };
 enum class DeviceKind { kCPU, kCUDA, kOther };
 enum class MaskForm { kNone, kBoolean, kAdditive };
 // kTraining: fwd=None, no cache, may need gradients. kPrefill / kDecode: inference calls; with a
 // KV cache they read the paged pool, without one they are dense calls.
 enum class Mode { kTraining, kPrefill, kDecode };
 
-const char* scalar_kind_name(ScalarKind kind);
 const char* device_kind_name(DeviceKind kind);
 const char* mode_name(Mode mode);
 
 struct CallDescription {
-  ScalarKind dtype = ScalarKind::kBFloat16;
+  ScalarType dtype = ScalarType::kBFloat16;
   DeviceKind device = DeviceKind::kCPU;
   int arch = 0;  // CUDA compute capability as major*10+minor (90 = sm_90); 0 off the GPU.
   int q_rank = 4;
@@ -73,7 +73,7 @@ struct CallDescription {
   bool softcap = false;  // softcap > 0
   bool sinks = false;
   bool lse = false;                          // return_lse
-  ScalarKind kv_dtype = ScalarKind::kOther;  // of the cache (paged) or k (dense)
+  ScalarType kv_dtype = ScalarType::kOther;  // of the cache (paged) or k (dense)
   bool kv_scales = false;                    // k_scale / v_scale given
 };
 

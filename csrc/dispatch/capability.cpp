@@ -8,10 +8,6 @@ namespace astr::dispatch {
 
 namespace {
 
-bool is_half_precision(ScalarKind dtype) {
-  return dtype == ScalarKind::kFloat16 || dtype == ScalarKind::kBFloat16;
-}
-
 bool is_power_of_two(int value) { return value > 0 && (value & (value - 1)) == 0; }
 
 std::string arch_string(int arch) { return "sm_" + std::to_string(arch); }
@@ -24,18 +20,14 @@ void check_heads_divide(const CallDescription& call, std::vector<std::string>& r
   }
 }
 
-bool is_fp8(ScalarKind kind) {
-  return kind == ScalarKind::kFloat8E4M3 || kind == ScalarKind::kFloat8E5M2;
-}
-
 // The cache's element type: q's own (every backend), or FP8 with per-head scales where
 // `fp8_cache` says the backend reads it (and then only with its scales, which only it takes).
 void check_kv_dtype(const CallDescription& call, bool fp8_cache,
                     std::vector<std::string>& reasons) {
   const bool fp8 = is_fp8(call.kv_dtype);
-  if (call.kv_dtype != call.dtype && call.kv_dtype != ScalarKind::kOther && !(fp8 && fp8_cache)) {
-    reasons.push_back(std::string("KV cache dtype ") + scalar_kind_name(call.kv_dtype) +
-                      " not supported (supported: q's dtype, " + scalar_kind_name(call.dtype) +
+  if (call.kv_dtype != call.dtype && call.kv_dtype != ScalarType::kOther && !(fp8 && fp8_cache)) {
+    reasons.push_back(std::string("KV cache dtype ") + scalar_type_name(call.kv_dtype) +
+                      " not supported (supported: q's dtype, " + scalar_type_name(call.dtype) +
                       (fp8_cache ? ", or float8_e4m3fn / float8_e5m2 with 16-bit q" : "") + ")");
   }
   if (call.kv_scales && !fp8) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
@@ -56,7 +48,7 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
     reasons.push_back("needs a paged KV cache (our kernels serve prefill/decode over the cache)");
   }
   if (!is_half_precision(call.dtype)) {
-    reasons.push_back(std::string("dtype ") + scalar_kind_name(call.dtype) +
+    reasons.push_back(std::string("dtype ") + scalar_type_name(call.dtype) +
                       " not supported (supported: float16, bfloat16)");
   }
   // The head dims the kernels were built for: config.h's list.
@@ -100,7 +92,7 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
     }
   }
   if (!is_half_precision(call.dtype)) {
-    reasons.push_back(std::string("dtype ") + scalar_kind_name(call.dtype) +
+    reasons.push_back(std::string("dtype ") + scalar_type_name(call.dtype) +
                       " not supported (supported: float16, bfloat16)");
   }
   if (call.head_dim > 256 || call.head_dim % 8 != 0) {
@@ -146,8 +138,8 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
 
 void torch_native_rules(const CallDescription& call, const BackendStatus&, Checks,
                         std::vector<std::string>& reasons) {
-  if (call.dtype == ScalarKind::kOther || call.dtype == ScalarKind::kFloat8E4M3 ||
-      call.dtype == ScalarKind::kFloat8E5M2) {
+  if (call.dtype == ScalarType::kOther || call.dtype == ScalarType::kFloat8E4M3 ||
+      call.dtype == ScalarType::kFloat8E5M2) {
     reasons.push_back("dtype not supported (supported: float16, bfloat16, float32, float64)");
   }
   check_kv_dtype(call, /*fp8_cache=*/true, reasons);

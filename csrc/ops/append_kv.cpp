@@ -4,6 +4,7 @@
 #include "ops/append_kv_checks.h"
 #include "ops/ops.h"
 #include "support/check.h"
+#include "support/torch_scalar_type.h"
 
 namespace astr {
 
@@ -35,7 +36,7 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
     ASTR_CHECK(largest < slots, "slot_mapping: slot ", largest, " is out of range for a pool of ",
                slots, " slots (", k_cache.size(0), " pages x ", k_cache.size(1), ")");
   }
-  if (is_fp8_pool(k_cache)) {
+  if (is_fp8(k_cache.scalar_type())) {
     // Written as bytes: the FP8 values quantized from the kept tokens.
     const at::Tensor k_bytes = quantized(k.index({keep}), *k_scale, k_cache.scalar_type());
     const at::Tensor v_bytes = quantized(v.index({keep}), *v_scale, v_cache.scalar_type());

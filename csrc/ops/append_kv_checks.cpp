@@ -5,6 +5,7 @@
 
 #include "ops/ops.h"
 #include "support/check.h"
+#include "support/torch_scalar_type.h"
 
 namespace astr {
 
@@ -53,7 +54,7 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
              sizes_string(v_cache));
   ASTR_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "v_cache: dtype ",
              v_cache.scalar_type(), " does not match k_cache's ", k_cache.scalar_type());
-  if (is_fp8_pool(k_cache)) {
+  if (is_fp8(k_cache.scalar_type())) {
     // Quantized on write: k and v stay in the model's dtype.
     for (auto [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}}) {
       const at::ScalarType type = t->scalar_type();

@@ -17,9 +17,4 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
                           const std::optional<at::Tensor>& k_scale,
                           const std::optional<at::Tensor>& v_scale);
 
-// Whether a pool holds FP8 elements (the append quantizes into it).
-inline bool is_fp8_pool(const at::Tensor& pool) {
-  return pool.scalar_type() == at::kFloat8_e4m3fn || pool.scalar_type() == at::kFloat8_e5m2;
-}
-
 }  // namespace astr

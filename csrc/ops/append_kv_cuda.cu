@@ -8,8 +8,9 @@
 #include "kernels/kv_cache/kv_cache.h"
 #include "ops/append_kv_checks.h"
 #include "support/check.h"
+#include "support/torch_scalar_type.h"
 
-namespace astr::backends {
+namespace astr {
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name, int element_size) {
@@ -30,7 +31,7 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   // The checks every device shares (one device, dtypes, shapes), then this kernel's own rules;
   // all before the launch, which writes both pools.
   astr::check_append_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
-  const bool fp8 = astr::is_fp8_pool(k_cache);
+  const bool fp8 = is_fp8(k_cache.scalar_type());
   const at::Device device = k.device();
   const at::ScalarType dtype = k.scalar_type();
   ASTR_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat, "k: dtype ",
@@ -77,13 +78,8 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   params.head_dim = static_cast<int>(k.size(2));
   params.page_size = static_cast<int>(k_cache.size(1));
   params.num_pages = k_cache.size(0);
-  params.dtype = dtype == at::kBFloat16 ? kernels::ScalarType::kBFloat16
-                 : dtype == at::kHalf   ? kernels::ScalarType::kFloat16
-                                        : kernels::ScalarType::kFloat32;
-  params.cache_dtype = !fp8 ? params.dtype
-                       : k_cache.scalar_type() == at::kFloat8_e4m3fn
-                           ? kernels::ScalarType::kFloat8E4M3
-                           : kernels::ScalarType::kFloat8E5M2;
+  params.dtype = scalar_type_of(dtype);
+  params.cache_dtype = scalar_type_of(k_cache.scalar_type());
   params.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
   params.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
 
@@ -97,4 +93,4 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
 
 TORCH_LIBRARY_IMPL(astr, CUDA, m) { m.impl("append_kv", &append_kv); }
 
-}  // namespace astr::backends
+}  // namespace astr

@@ -32,7 +32,7 @@ std::array<BackendStatus, kNumBackends> only_torch_native() {
 // (FlashAttention-2 wants 256-token pages).
 CallDescription paged_decode() {
   CallDescription call;
-  call.dtype = ScalarKind::kBFloat16;
+  call.dtype = ScalarType::kBFloat16;
   call.device = DeviceKind::kCUDA;
   call.arch = 90;
   call.q_rank = 3;
@@ -115,7 +115,7 @@ TEST(ResolveBackend, MaskedTrainingFallsBackToTorchNative) {
 
 TEST(ResolveBackend, EnvironmentChoiceFallsBackWhenIncapable) {
   CallDescription call = paged_decode();
-  call.dtype = ScalarKind::kFloat32;
+  call.dtype = ScalarType::kFloat32;
   Selection env{SelectionSource::kEnvironment, "cuda"};
   Decision decision = resolve_backend(call, env, all_available());
   ASSERT_TRUE(decision.chosen.has_value());
@@ -125,7 +125,7 @@ TEST(ResolveBackend, EnvironmentChoiceFallsBackWhenIncapable) {
 
 TEST(ResolveBackend, ExplicitChoiceNeverFallsBackAndListsEveryBackend) {
   CallDescription call = paged_decode();
-  call.dtype = ScalarKind::kFloat32;
+  call.dtype = ScalarType::kFloat32;
   Selection context{SelectionSource::kContext, "cuda"};
   Decision decision = resolve_backend(call, context, all_available());
   EXPECT_FALSE(decision.chosen.has_value());
@@ -259,7 +259,7 @@ TEST(FlashCapability, CausalWithUnequalLengthsIsRejected) {
 TEST(TorchNativeCapability, RunsEveryFloatingCallOnAnyDevice) {
   BackendStatus ok{true, "", 0};
   CallDescription call = dense_training();
-  call.dtype = ScalarKind::kFloat64;
+  call.dtype = ScalarType::kFloat64;
   call.device = DeviceKind::kCPU;
   call.mask = MaskForm::kAdditive;
   EXPECT_TRUE(rejection_reasons(Backend::kTorchNative, call, ok, Checks::kAll).empty());

@@ -18,29 +18,11 @@
 #include "kernels/paged_attention/config.h"
 #include "kernels/paged_attention/launch.h"
 #include "support/check.h"
+#include "support/torch_scalar_type.h"
 #include "support/kernel_settings.h"
 
 namespace astr::backends {
 namespace {
-
-using kernels::ScalarType;
-
-ScalarType to_kernel_dtype(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16:
-      return ScalarType::kBFloat16;
-    case at::kFloat8_e4m3fn:
-      return ScalarType::kFloat8E4M3;
-    case at::kFloat8_e5m2:
-      return ScalarType::kFloat8E5M2;
-    default:
-      return ScalarType::kFloat16;
-  }
-}
-
-bool is_fp8_dtype(at::ScalarType dtype) {
-  return dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2;
-}
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
   ASTR_CHECK(t.is_cuda(), "cuda_paged_attention: ", name, " must be a CUDA tensor, got device ",
@@ -107,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
   check_16_byte_rows(q, "q");
 
   // The cache holds q's dtype, or FP8 (e4m3 / e5m2, the same for k and v) with per-head scales.
-  const bool fp8 = is_fp8_dtype(k_cache.scalar_type());
+  const bool fp8 = is_fp8(k_cache.scalar_type());
   for (const auto& [cache, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
     check_cuda_tensor(*cache, name, device);
     ASTR_CHECK(cache->scalar_type() == q.scalar_type() ||
@@ -197,7 +179,7 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
   base.q = q.data_ptr();
   base.q_stride_token = q.stride(0);
   base.q_stride_head = q.stride(1);
-  base.q_dtype = to_kernel_dtype(q.scalar_type());
+  base.q_dtype = scalar_type_of(q.scalar_type());
   base.k_cache = k_cache.data_ptr();
   base.v_cache = v_cache.data_ptr();
   base.k_stride_page = k_cache.stride(0);
@@ -206,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(
   base.v_stride_page = v_cache.stride(0);
   base.v_stride_slot = v_cache.stride(1);
   base.v_stride_head = v_cache.stride(2);
-  base.kv_dtype = to_kernel_dtype(k_cache.scalar_type());
+  base.kv_dtype = scalar_type_of(k_cache.scalar_type());
   base.num_pages = static_cast<int>(k_cache.size(0));
   base.k_scale = fp8 ? k_scale->data_ptr<float>() : nullptr;
   base.v_scale = fp8 ? v_scale->data_ptr<float>() : nullptr;
