@@ -13,7 +13,9 @@
 
 namespace astr::dispatch {
 
-enum class SelectionSource { kArgument, kContext, kEnvironment, kDefault };
+// Where a selection came from. The op's `backend_source` argument carries these numbers (0: the
+// caller observed nothing, and the op reads the thread's override stack and ASTR_BACKEND).
+enum class SelectionSource { kArgument = 1, kContext = 2, kEnvironment = 3, kDefault = 4 };
 const char* selection_source_name(SelectionSource source);
 
 // What the user asked for, before looking at the call.

@@ -1,4 +1,4 @@
-// One attention call's arguments, validated, as the backends receive them.
+// The attention op's argument list, and one call's arguments as the backends receive them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,34 +7,61 @@
 
 #include "dispatch/call_description.h"
 
+// Every argument of astr::attention after q, in schema order: the one list from which the
+// schemas of attention, attention.lse and explain (registration.cpp), their C++ entry points
+// (ops.h, attention.cpp) and AttentionArgs are generated. Adding an argument is one row here
+// (csrc/README.md, "Add an argument").
+//   X(name, schema type, schema default, C++ parameter type)
+// Shapes: dense q [B,Lq,Hq,D], k [B,Lk,Hkv,D], v [B,Lk,Hkv,Dv], mask broadcastable to
+// [B,Hq,Lq,Lk]; paged q [T,Hq,D], pools [P,S,Hkv,D] / [P,S,Hkv,Dv], mask [T,K].
+#define ASTR_ATTENTION_ARGS(X)                                                                   \
+  X(k, "Tensor?", "=None", const std::optional<at::Tensor>&)         /* dense only */            \
+  X(v, "Tensor?", "=None", const std::optional<at::Tensor>&)         /* dense only */            \
+  X(attn_mask, "Tensor?", "=None", const std::optional<at::Tensor>&) /* bool or additive */      \
+  X(is_causal, "bool", "=False", bool)                                                           \
+  X(scale, "float?", "=None", std::optional<double>)               /* None: 1/sqrt(D) */         \
+  X(k_cache, "Tensor?", "=None", const std::optional<at::Tensor>&) /* paged calls */             \
+  X(v_cache, "Tensor?", "=None", const std::optional<at::Tensor>&)                               \
+  X(block_table, "Tensor?", "=None", const std::optional<at::Tensor>&)     /* int32 [B,W] */     \
+  X(seq_lens, "Tensor?", "=None", const std::optional<at::Tensor>&)        /* int32 [B] */       \
+  X(query_start_loc, "Tensor?", "=None", const std::optional<at::Tensor>&) /* int32 [B+1] */     \
+  X(max_query_len, "int", "=0", int64_t)                                   /* a host bound */    \
+  X(mode, "str?", "=None", std::optional<c10::string_view>)                /* prefill, decode */ \
+  X(backend, "str?", "=None", std::optional<c10::string_view>)     /* see backend_source */      \
+  X(backend_source, "int", "=0", int64_t)                          /* SelectionSource */         \
+  X(window_left, "int", "=-1", int64_t)                            /* -1: no window */           \
+  X(softcap, "float?", "=None", std::optional<double>)             /* > 0 when set */            \
+  X(sinks, "Tensor?", "=None", const std::optional<at::Tensor>&)   /* float32 [Hq] */            \
+  X(k_scale, "Tensor?", "=None", const std::optional<at::Tensor>&) /* FP8: float32 [Hkv] */      \
+  X(v_scale, "Tensor?", "=None", const std::optional<at::Tensor>&) /* FP8: float32 [Hkv] */
+
+// ", Tensor? k=None, ...": the list as schema text, to follow "Tensor q".
+#define ASTR_ATTENTION_SCHEMA_ARG(name, type, default_value, cpp_type) \
+  ", " type " " #name default_value
+#define ASTR_ATTENTION_SCHEMA_ARGS ASTR_ATTENTION_ARGS(ASTR_ATTENTION_SCHEMA_ARG)
+// ", const std::optional<at::Tensor>& k, ...": the list as C++ parameters, to follow q.
+#define ASTR_ATTENTION_PARAM(name, type, default_value, cpp_type) , cpp_type name
+#define ASTR_ATTENTION_PARAMS ASTR_ATTENTION_ARGS(ASTR_ATTENTION_PARAM)
+// ", k, v, ...": the parameters passed on.
+#define ASTR_ATTENTION_FORWARD(name, type, default_value, cpp_type) , name
+#define ASTR_ATTENTION_FORWARDED ASTR_ATTENTION_ARGS(ASTR_ATTENTION_FORWARD)
+
 namespace astr {
 
 struct AttentionArgs {
-  const at::Tensor& q;                         // dense [B,Lq,Hq,D] | paged [T,Hq,D]
-  const std::optional<at::Tensor>& k;          // dense [B,Lk,Hkv,D]
-  const std::optional<at::Tensor>& v;          // dense [B,Lk,Hkv,Dv]
-  const std::optional<at::Tensor>& attn_mask;  // dense: broadcastable to [B,Hq,Lq,Lk]; paged [T,K]
-  bool is_causal;
-  std::optional<double> scale;
-  const std::optional<at::Tensor>& k_cache;          // [P,S,Hkv,D]
-  const std::optional<at::Tensor>& v_cache;          // [P,S,Hkv,Dv]
-  const std::optional<at::Tensor>& block_table;      // int32 [B,W]
-  const std::optional<at::Tensor>& seq_lens;         // int32 [B], cached + new tokens
-  const std::optional<at::Tensor>& query_start_loc;  // int32 [B+1]; optional for decode
-  int64_t max_query_len;
-  dispatch::Mode mode;
-  // Variants (params.h in csrc/kernels/paged_attention has the definitions).
-  int64_t window_left;                     // -1: no window
-  std::optional<double> softcap;           // > 0 when set
-  const std::optional<at::Tensor>& sinks;  // float32 [Hq]
-  bool return_lse;
-  const std::optional<at::Tensor>& k_scale;  // FP8 cache: float32 [Hkv]
-  const std::optional<at::Tensor>& v_scale;
+  AttentionArgs(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse);
+
+  const at::Tensor& q;
+#define ASTR_ATTENTION_MEMBER(name, type, default_value, cpp_type) cpp_type name;
+  ASTR_ATTENTION_ARGS(ASTR_ATTENTION_MEMBER)
+#undef ASTR_ATTENTION_MEMBER
+  bool return_lse;           // attention.lse: also return each row's log-sum-exp
+  dispatch::Mode call_mode;  // `mode` parsed
 
   bool paged() const { return k_cache.has_value(); }
   // The softcap as the kernels take it: 0 when off.
   double softcap_value() const { return softcap.value_or(0.0); }
-  bool decode() const { return paged() && mode == dispatch::Mode::kDecode; }
+  bool decode() const { return paged() && call_mode == dispatch::Mode::kDecode; }
   int64_t head_dim() const { return q.size(-1); }
   double resolved_scale() const;
 };

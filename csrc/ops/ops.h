@@ -9,44 +9,22 @@
 #include <string>
 #include <tuple>
 
+#include "ops/attention_args.h"
+
 namespace astr {
 
 // The one entry point: resolves a backend (csrc/dispatch) and runs it. CompositeImplicitAutograd.
+// Its arguments after q are the one list ASTR_ATTENTION_ARGS (attention_args.h).
 at::Tensor attention(
-    const at::Tensor& q,                         // dense [B,Lq,Hq,D] | paged [T,Hq,D]
-    const std::optional<at::Tensor>& k,          // dense [B,Lk,Hkv,D] | paged None
-    const std::optional<at::Tensor>& v,          // dense [B,Lk,Hkv,Dv] | paged None
-    const std::optional<at::Tensor>& attn_mask,  // dense bcast [B,Hq,Lq,Lk] | [T,K]
-    bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& k_cache,          // [P,S,Hkv,D]
-    const std::optional<at::Tensor>& v_cache,          // [P,S,Hkv,Dv]
-    const std::optional<at::Tensor>& block_table,      // int32 [B,W]
-    const std::optional<at::Tensor>& seq_lens,         // int32 [B]
-    const std::optional<at::Tensor>& query_start_loc,  // int32 [B+1]
-    int64_t max_query_len, std::optional<c10::string_view> mode,
-    std::optional<c10::string_view> backend,
-    // The caller's observation of the thread's context and ASTR_BACKEND, in selected_backend()'s
-    // form, used instead of reading them: the Python API passes it while torch.compile traces, so
-    // the graph (and every cache keyed on it) records what the choice depended on.
-    std::optional<c10::string_view> selection,
-    int64_t window_left,                        // >= 0: keys p - window_left .. p; -1: off
-    std::optional<double> softcap,              // > 0: s -> softcap * tanh(s / softcap)
-    const std::optional<at::Tensor>& sinks,     // float32 [Hq]: one extra logit per q head
-    const std::optional<at::Tensor>& k_scale,   // FP8 cache: float32 [Hkv] dequant scales
-    const std::optional<at::Tensor>& v_scale);  // FP8 cache: float32 [Hkv]
+    const at::Tensor& q ASTR_ATTENTION_PARAMS);  // dense [B,Lq,Hq,D] | paged [T,Hq,D]
 
 // attention, also returning lse (float32, out's shape without its last dim: the natural log of
 // each row's softmax denominator, sink included). return_lse must be true.
-std::tuple<at::Tensor, at::Tensor> attention_with_lse(
-    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
-    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
-    std::optional<c10::string_view> selection, int64_t window_left, std::optional<double> softcap,
-    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale, bool return_lse);
+std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q ASTR_ATTENTION_PARAMS,
+                                                      bool return_lse);
+
+// The resolver's decision for the same arguments, as JSON text, without running anything.
+std::string explain(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse);
 
 // Merges two partial attentions over disjoint key sets: out [..., D] and lse [...] (float32,
 // natural log) each; lse -inf marks a row that saw nothing. Returns (out, lse) of the union.
@@ -55,21 +33,10 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
 
 // Inserted by `attention` into graphs that torch.compile traces when the choice was implicit:
 // at run time, raises if the thread's context or ASTR_BACKEND (`selected_backend`) differs from
-// `state`, the value the graph was traced under. Direct torch.ops.astr.attention calls are not
-// guarded by torch.compile (the Python API's are: it recompiles), so a stale graph must not run.
-void check_trace_state(const at::Tensor& q, c10::string_view state);
-
-// Same arguments as `attention`; returns the decision as JSON text instead of running it.
-std::string explain(
-    const at::Tensor& q, const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v,
-    const std::optional<at::Tensor>& attn_mask, bool is_causal, std::optional<double> scale,
-    const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
-    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& seq_lens,
-    const std::optional<at::Tensor>& query_start_loc, int64_t max_query_len,
-    std::optional<c10::string_view> mode, std::optional<c10::string_view> backend,
-    int64_t window_left, std::optional<double> softcap, const std::optional<at::Tensor>& sinks,
-    bool return_lse, const std::optional<at::Tensor>& k_scale,
-    const std::optional<at::Tensor>& v_scale, std::optional<c10::string_view> selection);
+// (backend, backend_source), what the graph was traced under. Direct torch.ops.astr.attention
+// calls are not guarded by torch.compile (the Python API's are: it recompiles), so a stale graph
+// must not run.
+void check_trace_state(const at::Tensor& q, c10::string_view backend, int64_t backend_source);
 
 // Reasons `backend` cannot run a call of this form ("" when it can), one per line.
 // `placement` adds the built/installed, device and arch rules.
@@ -94,7 +61,9 @@ void append_kv_meta(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 // Override stack, environment and status: the Python API's handles on csrc/dispatch.
 int64_t push_backend(c10::string_view name);  // -> the entry's id, for pop_backend
 void pop_backend(std::optional<int64_t> id);  // that entry, wherever it is; None: the top
-std::string selected_backend();               // "context:cuda", "environment:torch_native" or ""
+// What a call without backend= would select now: (name, SelectionSource) with the source
+// context, environment or default (name "").
+std::tuple<std::string, int64_t> selected_backend();
 void set_backend_status(c10::string_view backend, bool available, c10::string_view reason,
                         int64_t version);
 std::string backend_status(c10::string_view backend);  // JSON {available, reason, version}

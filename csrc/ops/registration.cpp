@@ -8,23 +8,12 @@
 TORCH_LIBRARY(astr, m) {
   // Attention over dense q/k/v or a paged KV cache; picks the backend (see csrc/dispatch). The
   // variants (window_left, softcap, sinks) and FP8 cache scales (k_scale, v_scale) are optional.
-  m.def(
-      "attention(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
-      "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
-      "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
-      "int max_query_len=0, str? mode=None, str? backend=None, str? selection=None, "
-      "int window_left=-1, float? softcap=None, Tensor? sinks=None, Tensor? k_scale=None, "
-      "Tensor? v_scale=None) -> Tensor");
+  m.def("attention(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS ") -> Tensor");
   m.impl("attention", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::attention));
   // The same, also returning each row's log-sum-exp: attention(..., return_lse=True) resolves to
   // this overload (return_lse must be True).
-  m.def(
-      "attention.lse(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
-      "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
-      "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
-      "int max_query_len=0, str? mode=None, str? backend=None, str? selection=None, "
-      "int window_left=-1, float? softcap=None, Tensor? sinks=None, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, *, bool return_lse) -> (Tensor, Tensor)");
+  m.def("attention.lse(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS
+        ", *, bool return_lse) -> (Tensor, Tensor)");
   m.impl("attention.lse", c10::DispatchKey::CompositeImplicitAutograd,
          TORCH_FN(astr::attention_with_lse));
 
@@ -78,19 +67,13 @@ TORCH_LIBRARY(astr, m) {
   // Recorded in compiled graphs by attention (implicit choices): raises at run time if the
   // context or ASTR_BACKEND differs from the one the graph was traced under. Side-effectful
   // (astrai/extension/ops.py tells torch.fx so), never decomposed.
-  m.def("check_trace_state(Tensor q, str state) -> ()");
+  m.def("check_trace_state(Tensor q, str backend, int backend_source) -> ()");
   m.impl("check_trace_state", c10::DispatchKey::CompositeExplicitAutograd,
          TORCH_FN(astr::check_trace_state));
 
   // The resolver's decision for a call, as JSON, without running it.
-  m.def(
-      "explain(Tensor q, Tensor? k=None, Tensor? v=None, Tensor? attn_mask=None, "
-      "bool is_causal=False, float? scale=None, Tensor? k_cache=None, Tensor? v_cache=None, "
-      "Tensor? block_table=None, Tensor? seq_lens=None, Tensor? query_start_loc=None, "
-      "int max_query_len=0, str? mode=None, str? backend=None, int window_left=-1, "
-      "float? softcap=None, Tensor? sinks=None, bool return_lse=False, Tensor? k_scale=None, "
-      "Tensor? v_scale=None, str? selection=None) -> str",
-      &astr::explain);
+  m.def("explain(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS ", *, bool return_lse=False) -> str",
+        &astr::explain);
 
   // Why a backend cannot run a call of this form ("" when it can).
   m.def(
@@ -102,8 +85,9 @@ TORCH_LIBRARY(astr, m) {
   // entry's id; a pop with that id removes that entry wherever it is (None: the top).
   m.def("push_backend(str name) -> int", &astr::push_backend);
   m.def("pop_backend(int? id=None) -> ()", &astr::pop_backend);
-  // What the user selected (context, then ASTR_BACKEND) as "source:name", or "".
-  m.def("selected_backend() -> str", &astr::selected_backend);
+  // What a call without backend= selects now (context, then ASTR_BACKEND, else default), as
+  // (name, SelectionSource: 2 context, 3 environment, 4 default).
+  m.def("selected_backend() -> (str, int)", &astr::selected_backend);
   // Process-wide availability of a backend (the flash probe writes it) and its reading.
   m.def("set_backend_status(str backend, bool available, str reason, int version) -> ()",
         &astr::set_backend_status);

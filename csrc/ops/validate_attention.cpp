@@ -11,6 +11,7 @@
 #include "support/check.h"
 #include "support/device_arch.h"
 #include "support/kernel_settings.h"
+#include "support/torch_scalar_type.h"
 
 namespace astr {
 
@@ -20,27 +21,6 @@ using dispatch::CallDescription;
 using dispatch::DeviceKind;
 using dispatch::MaskForm;
 using dispatch::Mode;
-using dispatch::ScalarKind;
-
-ScalarKind scalar_kind(at::ScalarType type) {
-  switch (type) {
-    case at::kHalf:
-      return ScalarKind::kFloat16;
-    case at::kBFloat16:
-      return ScalarKind::kBFloat16;
-    case at::kFloat:
-      return ScalarKind::kFloat32;
-    case at::kDouble:
-      return ScalarKind::kFloat64;
-    case at::kFloat8_e4m3fn:
-      return ScalarKind::kFloat8E4M3;
-    case at::kFloat8_e5m2:
-      return ScalarKind::kFloat8E5M2;
-    default:
-      return ScalarKind::kOther;
-  }
-}
-
 DeviceKind device_kind(const at::Device& device) {
   if (device.is_cpu()) return DeviceKind::kCPU;
   if (device.is_cuda()) return DeviceKind::kCUDA;
@@ -65,8 +45,6 @@ void check_same_device(const at::Tensor& q, const at::Tensor& t, const char* nam
   ASTR_CHECK(t.device() == q.device(), name, ": expected a tensor on ", q.device(),
              " (the device of q), got ", t.device());
 }
-
-bool is_fp8(at::ScalarType type) { return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2; }
 
 // A KV-cache pool: q's dtype, or FP8 (the same for both pools; read as stored * scale).
 void check_cache_like_q(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& k_cache,
@@ -219,7 +197,7 @@ void validate_paged(const AttentionArgs& a) {
              "calls, got shape ", shape_string(q));
   ASTR_CHECK(!a.k && !a.v,
              "k, v: must be None for paged calls; write new tokens with astr::append_kv first");
-  ASTR_CHECK(a.mode != Mode::kTraining, "mode: paged calls need mode 'prefill' or 'decode'");
+  ASTR_CHECK(a.call_mode != Mode::kTraining, "mode: paged calls need mode 'prefill' or 'decode'");
   ASTR_CHECK(a.v_cache.has_value(), "v_cache: required with k_cache");
   ASTR_CHECK(a.block_table.has_value(), "block_table: required with k_cache");
   ASTR_CHECK(a.seq_lens.has_value(), "seq_lens: required with k_cache");
@@ -417,6 +395,16 @@ bool any_requires_grad(const AttentionArgs& a) {
 
 }  // namespace
 
+AttentionArgs::AttentionArgs(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse)
+    : q(q)
+#define ASTR_ATTENTION_INIT(name, type, default_value, cpp_type) , name(name)
+          ASTR_ATTENTION_ARGS(ASTR_ATTENTION_INIT)
+#undef ASTR_ATTENTION_INIT
+      ,
+      return_lse(return_lse),
+      call_mode(parse_mode(mode)) {
+}
+
 double AttentionArgs::resolved_scale() const {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(head_dim()));
 }
@@ -446,7 +434,7 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
   }
   validate_variants(a);
   CallDescription call;
-  call.dtype = scalar_kind(a.q.scalar_type());
+  call.dtype = scalar_type_of(a.q.scalar_type());
   call.device = device_kind(a.q.device());
   call.arch = call.device == DeviceKind::kCUDA ? cuda_device_arch(a.q.get_device()) : 0;
   call.q_rank = static_cast<int>(a.q.dim());
@@ -464,14 +452,14 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
     call.q_len_equals_kv_len = a.q.size(1) == a.k->size(1);
   }
   call.mask = mask_form(a.attn_mask);
-  call.mode = a.mode;
+  call.mode = a.call_mode;
   call.needs_grad = any_requires_grad(a);
   call.is_causal = a.is_causal;
   call.window = a.window_left >= 0;
   call.softcap = a.softcap.has_value();
   call.sinks = a.sinks.has_value();
   call.lse = a.return_lse;
-  call.kv_dtype = scalar_kind((a.paged() ? *a.k_cache : *a.k).scalar_type());
+  call.kv_dtype = scalar_type_of((a.paged() ? *a.k_cache : *a.k).scalar_type());
   call.kv_scales = a.k_scale.has_value();
   return call;
 }
@@ -481,7 +469,7 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
                               Mode mode) {
   ASTR_CHECK(q.dim() >= 1, "q: expected [..., q_heads, head_dim], got a 0-d tensor");
   CallDescription call;
-  call.dtype = scalar_kind(q.scalar_type());
+  call.dtype = scalar_type_of(q.scalar_type());
   call.device = device_kind(q.device());
   call.arch = call.device == DeviceKind::kCUDA ? cuda_device_arch(q.get_device()) : 0;
   call.q_rank = static_cast<int>(q.dim());
@@ -503,7 +491,7 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
   call.mode = mode;
   call.needs_grad = c10::GradMode::is_enabled() && q.requires_grad();
   call.is_causal = is_causal;
-  call.kv_dtype = k_cache ? scalar_kind(k_cache->scalar_type()) : call.dtype;
+  call.kv_dtype = k_cache ? scalar_type_of(k_cache->scalar_type()) : call.dtype;
   return call;
 }
 

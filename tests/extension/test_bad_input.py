@@ -476,5 +476,9 @@ def test_step_metadata_copy_needs_the_same_shapes():
 
 def test_a_malformed_selection_names_the_argument():
     q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(ValueError, match='selection: expected "context:NAME"'):
-        torch.ops.astr.attention(q, q, q, selection="cuda")
+    with pytest.raises(ValueError, match="backend_source: expected 0"):
+        torch.ops.astr.attention(q, q, q, backend="cuda", backend_source=7)
+    with pytest.raises(ValueError, match="backend: 'nope' .backend_source 2, a context."):
+        torch.ops.astr.attention(q, q, q, backend="nope", backend_source=2)
+    with pytest.raises(ValueError, match="backend: must be None with backend_source 4"):
+        torch.ops.astr.attention(q, q, q, backend="cuda", backend_source=4)

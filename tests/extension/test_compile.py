@@ -336,9 +336,10 @@ def test_environment_change_recompiles(monkeypatch):
 
 
 def attention_selections(recorder):
-    """The ``selection`` argument of every astr.attention node the compiler recorded."""
+    """The (backend, backend_source) arguments of every astr.attention node the compiler
+    recorded."""
     return [
-        node.kwargs.get("selection")
+        (node.kwargs.get("backend"), node.kwargs.get("backend_source"))
         for graph in recorder.graphs
         for node in graph.graph.nodes
         if "astr.attention" in str(node.target)
@@ -363,9 +364,9 @@ def test_python_api_graphs_record_the_selection_they_were_traced_under(monkeypat
     monkeypatch.setenv("ASTR_BACKEND", "torch_native")
     run(q, k, v)
     assert attention_selections(recorder) == [
-        "context:torch_native",
-        "",
-        "environment:torch_native",
+        ("torch_native", 2),  # a context
+        (None, 4),  # the default
+        ("torch_native", 3),  # ASTR_BACKEND
     ]
 
 

@@ -42,7 +42,7 @@ def no_environment_backend(monkeypatch):
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
     yield
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", 4)
     assert THREAD_CONTEXTS.entries == []
 
 
@@ -79,16 +79,17 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_a_selection_naming_no_backend_raises_instead_of_crashing():
-    """``selection="context:nope"`` and ``"context:"`` used to dereference an empty parse in the
-    resolver (SIGSEGV). Run in a child process, so a crash fails this test, not the session."""
+    """A context selection naming no backend (``"nope"``, ``""``) used to dereference an empty
+    parse in the resolver (SIGSEGV). Run in a child process, so a crash fails this test, not the
+    session."""
     result = run_python(
         """
         import torch, astrai.extension
         q = torch.randn(1, 3, 2, 8)
-        for selection in ("context:nope", "context:"):
+        for name in ("nope", ""):
             for op in (torch.ops.astr.attention, torch.ops.astr.explain):
                 try:
-                    op(q, q, q, selection=selection)
+                    op(q, q, q, backend=name, backend_source=2)
                 except ValueError as error:
                     print(type(error).__name__, str(error).splitlines()[0])
                 else:
@@ -98,15 +99,19 @@ def test_a_selection_naming_no_backend_raises_instead_of_crashing():
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.splitlines()
     assert len(lines) == 4, result.stdout
-    for line, selection in zip(lines, ["context:nope"] * 2 + ["context:"] * 2):
-        assert line.startswith(f'ValueError selection: "{selection}" names no backend'), line
+    for line, name in zip(lines, ["nope"] * 2 + [""] * 2):
+        assert line.startswith(
+            f"ValueError backend: '{name}' (backend_source 2, a context) names"
+        ), line
         assert "cuda, flash, torch_native" in line
 
 
-@pytest.mark.parametrize("selection", ["context:torch_native", "environment:torch_native", ""])
-def test_a_well_formed_selection_still_runs(selection):
+@pytest.mark.parametrize(
+    "backend, source", [("torch_native", 2), ("torch_native", 3), (None, 4), ("torch_native", 1)]
+)
+def test_a_well_formed_selection_still_runs(backend, source):
     q, k, v = dense_qkv()
-    out = torch.ops.astr.attention(q, k, v, selection=selection)
+    out = torch.ops.astr.attention(q, k, v, backend=backend, backend_source=source)
     torch.testing.assert_close(out, attention(q, k, v, backend="torch_native"))
 
 
@@ -431,10 +436,10 @@ def test_contexts_exited_out_of_order_each_remove_their_own_entry():
     inner.__enter__()
     outer.__exit__(None, None, None)  # out of order: no error
     assert get_backend(use_default=False) is inner.backend
-    assert torch.ops.astr.selected_backend() == "context:torch_native"
+    assert torch.ops.astr.selected_backend() == ("torch_native", 2)
     inner.__exit__(None, None, None)
     assert get_backend(use_default=False) is None
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", 4)
 
 
 def test_exiting_a_context_twice_raises_and_leaves_the_others():
@@ -445,7 +450,7 @@ def test_exiting_a_context_twice_raises_and_leaves_the_others():
         context.__exit__(None, None, None)
         with pytest.raises(RuntimeError, match="is not an open context"):
             context.__exit__(None, None, None)
-        assert torch.ops.astr.selected_backend() == "context:torch_native"
+        assert torch.ops.astr.selected_backend() == ("torch_native", 2)
         assert THREAD_CONTEXTS.entries == outer._entries  # outer's own entry, still open
 
 
@@ -453,7 +458,7 @@ def test_a_backend_instance_entered_twice_exits_one_entry_at_a_time():
     backend = TorchNativeBackend()
     with backend:
         with backend:
-            assert torch.ops.astr.selected_backend() == "context:torch_native"
+            assert torch.ops.astr.selected_backend() == ("torch_native", 2)
         assert get_backend(use_default=False) is backend
     assert get_backend(use_default=False) is None
 
@@ -470,8 +475,8 @@ def test_a_context_exited_on_another_thread_is_gone_for_its_own_thread_too():
     assert attention(q, k, v).shape == q.shape  # no strict cuda left behind
     # This thread's C++ stack drops the entry at its next enter or exit.
     with attn_backend("torch_native"):
-        assert torch.ops.astr.selected_backend() == "context:torch_native"
-    assert torch.ops.astr.selected_backend() == ""
+        assert torch.ops.astr.selected_backend() == ("torch_native", 2)
+    assert torch.ops.astr.selected_backend() == ("", 4)
 
 
 def test_a_context_held_by_a_generator_and_exited_from_another_task_is_gone():
@@ -506,7 +511,7 @@ def test_pop_backend_by_id_removes_that_entry_and_refuses_an_unknown_id():
     first = torch.ops.astr.push_backend("cuda")
     second = torch.ops.astr.push_backend("torch_native")
     torch.ops.astr.pop_backend(first)
-    assert torch.ops.astr.selected_backend() == "context:torch_native"
+    assert torch.ops.astr.selected_backend() == ("torch_native", 2)
     with pytest.raises(RuntimeError, match=f"pop_backend: no override with id {first}"):
         torch.ops.astr.pop_backend(first)
     torch.ops.astr.pop_backend(second)
@@ -573,7 +578,7 @@ def test_unknown_environment_backend_warns_through_python_warnings(monkeypatch):
     monkeypatch.setenv("ASTR_BACKEND", value)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert torch.ops.astr.selected_backend() == ""
+        assert torch.ops.astr.selected_backend() == ("", 4)
         torch.ops.astr.selected_backend()
     mine = [w for w in caught if value in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]

@@ -36,6 +36,8 @@ from astrai.extension import (
 )
 
 BACKENDS = ("cuda", "flash", "torch_native")
+# torch.ops.astr.selected_backend()'s sources (csrc/dispatch/resolver.h: SelectionSource).
+CONTEXT, ENVIRONMENT, DEFAULT = 2, 3, 4
 NO_GPU = not torch.cuda.is_available()
 # The head dims the cuda kernels were built for, as the library reports them (config.h's list).
 CUDA_HEAD_DIMS = ", ".join(str(d) for d in ops.BUILD_INFO["paged_kernels"]["head_dims"])
@@ -47,7 +49,7 @@ def no_environment_backend(monkeypatch):
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
     yield
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", DEFAULT)
     assert get_backend(use_default=False) is None
 
 
@@ -153,12 +155,12 @@ def test_inner_context_wins_and_outer_is_restored(names):
         with attn_backend(names[depth]) as backend:
             for _ in ("on entry", "after the inner context exited"):
                 assert get_backend() is backend
-                assert torch.ops.astr.selected_backend() == f"context:{names[depth]}"
+                assert torch.ops.astr.selected_backend() == (names[depth], CONTEXT)
                 assert explain(q, k, v).requested == names[depth]
                 enter(depth + 1)
 
     enter(0)
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", DEFAULT)
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
@@ -173,7 +175,7 @@ def test_exception_inside_contexts_restores_the_stack(depth):
                     stack.enter_context(attn_backend("cuda"))
                 raise Boom
         assert get_backend() is outer
-        assert torch.ops.astr.selected_backend() == "context:torch_native"
+        assert torch.ops.astr.selected_backend() == ("torch_native", CONTEXT)
 
 
 def test_failed_call_inside_a_context_restores_the_stack():
@@ -181,7 +183,7 @@ def test_failed_call_inside_a_context_restores_the_stack():
     with pytest.raises(RuntimeError, match="Explicitly-set backend 'cuda'"):
         with attn_backend("cuda"):
             attention(q, k, v)
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", DEFAULT)
 
 
 def run_in_threads(names, look, barrier_timeout=30):
@@ -230,14 +232,14 @@ def test_threads_see_only_their_own_context():
         )
 
     seen = run_in_threads(["cuda", "torch_native"], look)
-    assert seen["cuda"] == ("cuda", "context:cuda", "context", "cuda")
+    assert seen["cuda"] == ("cuda", ("cuda", CONTEXT), "context", "cuda")
     assert seen["torch_native"] == (
         "torch_native",
-        "context:torch_native",
+        ("torch_native", CONTEXT),
         "context",
         "torch_native",
     )
-    assert seen["main"] == (None, "", "default", "")
+    assert seen["main"] == (None, ("", DEFAULT), "default", "")
 
 
 def test_threads_run_calls_with_their_own_context():
@@ -342,7 +344,7 @@ def test_unknown_environment_backend_warns_once_naming_valid_ones(monkeypatch, c
 def test_unknown_environment_backend_falls_back_to_default(monkeypatch):
     monkeypatch.setenv("ASTR_BACKEND", f"bogus-{uuid.uuid4().hex[:8]}")
     q, k, v = dense_call()
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", DEFAULT)
     assert get_backend(use_default=False) is None
     assert explain(q, k, v).backend == "torch_native"
     torch.testing.assert_close(attention(q, k, v), attention(q, k, v, backend="torch_native"))
@@ -366,7 +368,7 @@ UNKNOWN_NAME_CALLS = {
 def test_unknown_backend_name_raises_value_error(entry):
     with pytest.raises(ValueError, match="bogus|python:"):
         UNKNOWN_NAME_CALLS[entry](*dense_call())
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", DEFAULT)
 
 
 def test_unknown_backend_name_error_lists_the_valid_ones():
@@ -508,7 +510,7 @@ class EchoQueryBackend(AttentionBackend):
 def test_python_backend_in_a_context_makes_the_op_raise():
     q, k, v = dense_call()
     with attn_backend(EchoQueryBackend()):
-        assert torch.ops.astr.selected_backend() == "context:python:EchoQueryBackend"
+        assert torch.ops.astr.selected_backend() == ("python:EchoQueryBackend", CONTEXT)
         with pytest.raises(RuntimeError, match="is written in Python") as raised:
             torch.ops.astr.attention(q, k, v)
         raw = json.loads(torch.ops.astr.explain(q, k, v))

@@ -47,7 +47,7 @@ class Marked(AttentionBackend):
 def no_environment_backend(monkeypatch):
     monkeypatch.delenv("ASTR_BACKEND", raising=False)
     yield
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", 4)
     assert THREAD_CONTEXTS.entries == []
 
 
@@ -97,14 +97,13 @@ def run_plan_in_thread(rng, iterations):
                 stack.enter_context(attn_backend(choice))
                 check_innermost(choice, runs_calls=rng.random() < 0.5)
                 assert torch.ops.astr.selected_backend() == (
-                    f"context:{choice}"
-                    if isinstance(choice, str)
-                    else f"context:python:{type(choice).__qualname__}"
+                    choice if isinstance(choice, str) else f"python:{type(choice).__qualname__}",
+                    2,  # a context
                 )
                 if level == raise_at:
                     raise Boom
         assert get_backend(use_default=False) is None
-        assert torch.ops.astr.selected_backend() == ""
+        assert torch.ops.astr.selected_backend() == ("", 4)
 
 
 def run_threads(target, count):
@@ -158,7 +157,7 @@ async def run_tasks(seed, count, iterations):
 
 def test_asyncio_tasks_with_nested_overrides_and_exceptions_see_only_their_own():
     asyncio.run(run_tasks(0, count=24, iterations=10))
-    assert torch.ops.astr.selected_backend() == ""
+    assert torch.ops.astr.selected_backend() == ("", 4)
 
 
 def test_event_loops_on_several_threads_at_once():

@@ -13,7 +13,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -127,11 +127,25 @@ def _context_entry() -> Optional[ContextEntry]:
     return task_context()
 
 
-def _environment_selection() -> str:
-    """ASTR_BACKEND in the form of the op's ``selection`` argument, read here; the op warns
-    about (and ignores) a name that is not a backend."""
+# The op's backend_source numbers (csrc/dispatch/resolver.h: SelectionSource); 0: not observed.
+_ARGUMENT, _CONTEXT, _ENVIRONMENT, _DEFAULT = 1, 2, 3, 4
+
+
+def _environment_selection() -> Tuple[Optional[str], int]:
+    """ASTR_BACKEND as the op's (backend, backend_source), read here; the op warns about (and
+    ignores) a name that is not a backend."""
     value = os.environ.get("ASTR_BACKEND", "")
-    return f"environment:{value}" if value else ""
+    return (value, _ENVIRONMENT) if value else (None, _DEFAULT)
+
+
+def _op_selection(name: Optional[str], observed: Optional[Tuple[Optional[str], int]]) -> dict:
+    """The op's selection keyword arguments: a per-call backend name, else what the caller
+    observed of the thread's context and ASTR_BACKEND, else none (the op reads them itself)."""
+    if name is not None:
+        return {"backend": name, "backend_source": _ARGUMENT}
+    if observed is not None:
+        return {"backend": observed[0], "backend_source": observed[1]}
+    return {}
 
 
 def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
@@ -143,10 +157,10 @@ def get_backend(use_default: bool = True) -> Optional[AttentionBackend]:
     if entry is not None:
         return entry.backend
     if not THREAD_CONTEXTS.entries:
-        selected = torch.ops.astr.selected_backend()  # warns once about an unknown name
+        selected, source = torch.ops.astr.selected_backend()  # warns once about an unknown name
     else:  # another task's context is on this thread's C++ stack: read the environment here
-        selected = _environment_selection()
-    name = selected.split(":", 1)[1] if selected.startswith("environment:") else ""
+        selected, source = _environment_selection()
+    name = selected if source == _ENVIRONMENT else ""
     if name in _BUILTIN_NAMES:
         backend = AttentionBackendFactory.create(name)
         if backend.available():
@@ -194,8 +208,8 @@ def _ensure_probed() -> None:
 
 # os.environ's backing dict: torch.compile guards on reads of a plain dict, not on
 # os.environ.get, so a change of ASTR_BACKEND recompiles instead of reusing a stale graph.
-_ENVIRONMENT = getattr(os.environ, "_data", None)
-_ENV_KEY = b"ASTR_BACKEND" if _ENVIRONMENT is not None and os.name == "posix" else "ASTR_BACKEND"
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENV_KEY = b"ASTR_BACKEND" if _ENVIRON is not None and os.name == "posix" else "ASTR_BACKEND"
 
 
 _ENV_CHOICES = tuple(
@@ -203,9 +217,9 @@ _ENV_CHOICES = tuple(
 )
 
 
-def _observed_selection() -> Optional[str]:
-    """The selection the op must use instead of reading the thread's C++ override stack, in the
-    form of ``torch.ops.astr.selected_backend()`` ("context:NAME", "environment:NAME" or "").
+def _observed_selection() -> Optional[Tuple[Optional[str], int]]:
+    """The selection the op must use instead of reading the thread's C++ override stack, as its
+    (backend, backend_source) arguments; None: the op reads them itself.
 
     Eager code: None (the C++ resolver reads the stack and ASTR_BACKEND itself) unless the
     stack's top is another task's context; then this task's context, or ASTR_BACKEND.
@@ -225,18 +239,18 @@ def _observed_selection() -> Optional[str]:
             return _environment_selection() if on_thread else None
         if on_thread and on_thread[-1] is top:
             return None
-        return f"context:{top.backend.name}"  # a Python backend never reaches here
+        return (top.backend.name, _CONTEXT)  # a Python backend never reaches here
     entry = _context_entry()
     if entry is not None:  # a Python backend on top never reaches here (see attention)
-        return f"context:{entry.backend.name}"
-    if _ENVIRONMENT is None:
-        return ""
-    value = _ENVIRONMENT.get(_ENV_KEY)
+        return (entry.backend.name, _CONTEXT)
+    if _ENVIRON is None:
+        return (None, _DEFAULT)
+    value = _ENVIRON.get(_ENV_KEY)
     for choice in _ENV_CHOICES:  # comparing makes the compiler guard on the value
         if value == choice:
             name = choice.decode() if isinstance(choice, bytes) else choice
-            return f"environment:{name}"
-    return ""
+            return (name, _ENVIRONMENT)
+    return (None, _DEFAULT)
 
 
 def attention(
@@ -290,9 +304,9 @@ def attention(
             fwd=fwd,
         )
     name = _builtin_name(backend)
-    selection = _observed_selection() if name is None else None
+    selection = _op_selection(name, _observed_selection() if name is None else None)
     return run_builtin(
-        q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, name, scale, selection, variants
+        q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, selection, scale, variants
     )
 
 
@@ -349,7 +363,7 @@ def explain(
     if python_backend is not None:
         return Decision(type(python_backend).__name__, "argument" if backend else "context")
     name = _builtin_name(backend)
-    selection = _observed_selection() if name is None else None
+    selection = _op_selection(name, _observed_selection() if name is None else None)
     variant_args = dict(
         window_left=window_left, softcap=softcap, sinks=sinks, return_lse=return_lse
     )
@@ -362,8 +376,7 @@ def explain(
             is_causal,
             scale,
             mode=fwd,
-            backend=name,
-            selection=selection,
+            **selection,
             **variant_args,
         )
     else:
@@ -375,8 +388,7 @@ def explain(
             None,
             k_cache=k_pool,
             v_cache=v_pool,
-            backend=name,
-            selection=selection,
+            **selection,
             **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id),
             **variant_args,
         )

@@ -58,7 +58,7 @@ class BuiltinBackend(AttentionBackend):
             attn_mask,
             is_causal,
             "prefill" if kv_cache is not None else None,
-            self.name,
+            {"backend": self.name},
             scale,
         )
 
@@ -74,5 +74,14 @@ class BuiltinBackend(AttentionBackend):
         scale: Optional[float] = None,
     ):
         return run_builtin(
-            q, k, v, kv_cache, layer_id, attn_mask, is_causal, "decode", self.name, scale
+            q,
+            k,
+            v,
+            kv_cache,
+            layer_id,
+            attn_mask,
+            is_causal,
+            "decode",
+            {"backend": self.name},
+            scale,
         )

@@ -70,15 +70,14 @@ def run_builtin(
     attn_mask,
     is_causal,
     fwd,
-    backend: Optional[str],
+    selection: dict,
     scale: Optional[float] = None,
-    selection: Optional[str] = None,
     variants: Variants = NO_VARIANTS,
 ):
-    """Run a call through the C++ resolver; ``backend`` None lets it choose (context stack,
-    ASTR_BACKEND, default priority; or ``selection``, what the caller observed of the first
-    two: see astr::attention's contract in csrc/README.md). Returns out, or (out, lse) when
-    ``variants.return_lse``."""
+    """Run a call through the C++ resolver; ``selection``: the op's ``backend`` and
+    ``backend_source`` keyword arguments, empty to let it read the context stack and
+    ASTR_BACKEND itself (see astr::attention's contract in csrc/README.md). Returns out, or
+    (out, lse) when ``variants.return_lse``."""
     if kv_cache is None:
         return torch.ops.astr.attention(
             q,
@@ -88,8 +87,7 @@ def run_builtin(
             is_causal,
             scale,
             mode=fwd,
-            backend=backend,
-            selection=selection,
+            **selection,
             **variants.op_args(),
         )
     k_pool, v_pool = kv_cache.layer(layer_id)
@@ -102,8 +100,7 @@ def run_builtin(
         None,
         k_cache=k_pool,
         v_cache=v_pool,
-        backend=backend,
-        selection=selection,
+        **selection,
         **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id),
         **variants.op_args(),
     )

@@ -122,4 +122,4 @@ class FlashAttnBackend(BuiltinBackend):
                 "FlashAttnBackend cannot apply a custom attention mask (only is_causal); "
                 "use the torch_native backend for masked calls"
             )
-        return run_builtin(q, k, v, None, 0, None, is_causal, None, self.name, scale)
+        return run_builtin(q, k, v, None, 0, None, is_causal, None, {"backend": self.name}, scale)
