@@ -40,28 +40,19 @@ def _load_library() -> dict:
 BUILD_INFO: dict = _load_library()
 
 
+# astr::cuda_paged_attention takes astr::attention's arguments (csrc/ops/attention_args.h), bound
+# here by name so that this fake follows that list.
+_CUDA_OP_ARGS = tuple(
+    argument.name for argument in torch.ops.astr.cuda_paged_attention.default._schema.arguments
+)
+
+
 @torch.library.register_fake("astr::cuda_paged_attention")
-def _cuda_paged_attention_fake(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    seq_lens,
-    query_start_loc,
-    max_query_len,
-    decode,
-    attn_mask,
-    is_causal,
-    scale,
-    window_left=-1,
-    softcap=0.0,
-    sinks=None,
-    return_lse=False,
-    k_scale=None,
-    v_scale=None,
-):
+def _cuda_paged_attention_fake(*args, **kwargs):
+    call = dict(zip(_CUDA_OP_ARGS, args), **kwargs)
+    q, v_cache = call["q"], call["v_cache"]
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[3])
-    lse_shape = (q.shape[0], q.shape[1]) if return_lse else (0,)
+    lse_shape = (q.shape[0], q.shape[1]) if call.get("return_lse", False) else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
@@ -85,46 +76,6 @@ def append_kv(
     v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     torch.ops.astr.append_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-
-
-def cuda_paged_attention(
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [P, S, Hkv, D]
-    v_cache: torch.Tensor,  # [P, S, Hkv, D]
-    block_table: torch.Tensor,  # int32 [B, W]
-    seq_lens: torch.Tensor,  # int32 [B]
-    query_start_loc: torch.Tensor,  # int32 [B + 1]
-    max_query_len: int,
-    decode: bool,
-    attn_mask: Optional[torch.Tensor],  # bool [T, K]
-    is_causal: bool,
-    scale: float,
-    window_left: int = -1,
-    softcap: float = 0.0,
-    sinks: Optional[torch.Tensor] = None,  # float32 [Hq]
-    return_lse: bool = False,
-    k_scale: Optional[torch.Tensor] = None,  # FP8 cache: float32 [Hkv]
-    v_scale: Optional[torch.Tensor] = None,
-) -> tuple:  # ([T, Hq, D], float32 [T, Hq] or empty)
-    return torch.ops.astr.cuda_paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        decode,
-        attn_mask,
-        is_causal,
-        scale,
-        window_left,
-        softcap,
-        sinks,
-        return_lse,
-        k_scale,
-        v_scale,
-    )
 
 
 def set_kernel_tuning(tuning: str) -> None:

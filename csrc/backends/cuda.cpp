@@ -1,5 +1,6 @@
-// The cuda backend as the resolver sees it: a call through the dispatcher to
-// astr::cuda_paged_attention, whose CUDA kernel lives in cuda_paged_attention.cu.
+// The cuda backend as the resolver calls it: through the dispatcher to astr::cuda_paged_attention,
+// whose CUDA kernel is backends/cuda/paged_attention.cu (and whose fake kernel torch.compile
+// traces).
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "backends/backends.h"
@@ -7,20 +8,13 @@
 namespace astr {
 
 AttentionResult cuda_paged(const AttentionArgs& a) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("astr::cuda_paged_attention", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const at::Tensor&, const at::Tensor&, int64_t, bool, const std::optional<at::Tensor>&,
-              bool, double, int64_t, double, const std::optional<at::Tensor>&, bool,
-              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
-  // Decode needs no query_start_loc; the kernel ignores it, so any int32 tensor will do.
-  const at::Tensor starts = a.query_start_loc ? *a.query_start_loc : *a.seq_lens;
-  auto [out, lse] = op.call(a.q, *a.k_cache, *a.v_cache, *a.block_table, *a.seq_lens, starts,
-                            a.decode() ? 1 : a.max_query_len, a.decode(), a.attn_mask, a.is_causal,
-                            a.resolved_scale(), a.window_left, a.softcap_value(), a.sinks,
-                            a.return_lse, a.k_scale, a.v_scale);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("astr::cuda_paged_attention", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor& ASTR_ATTENTION_TYPES, bool)>();
+#define ASTR_ATTENTION_MEMBER_OF_A(name, type, default_value, cpp_type) , a.name
+  auto [out, lse] = op.call(a.q ASTR_ATTENTION_ARGS(ASTR_ATTENTION_MEMBER_OF_A), a.return_lse);
+#undef ASTR_ATTENTION_MEMBER_OF_A
   return {out, a.return_lse ? lse : at::Tensor()};
 }
 

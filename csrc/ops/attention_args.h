@@ -42,6 +42,9 @@
 // ", const std::optional<at::Tensor>& k, ...": the list as C++ parameters, to follow q.
 #define ASTR_ATTENTION_PARAM(name, type, default_value, cpp_type) , cpp_type name
 #define ASTR_ATTENTION_PARAMS ASTR_ATTENTION_ARGS(ASTR_ATTENTION_PARAM)
+// ", const std::optional<at::Tensor>&, ...": the list as C++ types (a typed dispatcher call).
+#define ASTR_ATTENTION_TYPE(name, type, default_value, cpp_type) , cpp_type
+#define ASTR_ATTENTION_TYPES ASTR_ATTENTION_ARGS(ASTR_ATTENTION_TYPE)
 // ", k, v, ...": the parameters passed on.
 #define ASTR_ATTENTION_FORWARD(name, type, default_value, cpp_type) , name
 #define ASTR_ATTENTION_FORWARDED ASTR_ATTENTION_ARGS(ASTR_ATTENTION_FORWARD)

@@ -31,14 +31,11 @@ TORCH_LIBRARY(astr, m) {
   // and is refused instead of returning with nothing written.
   m.impl("append_kv", c10::DispatchKey::Meta, TORCH_FN(astr::append_kv_meta));
 
-  // The cuda backend: our paged prefill/decode kernels (CUDA key only; csrc/backends).
-  // Returns (out, lse): lse [T, Hq] float32 when return_lse, else an empty tensor.
-  m.def(
-      "cuda_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "Tensor seq_lens, Tensor query_start_loc, int max_query_len, bool decode, "
-      "Tensor? attn_mask, bool is_causal, float scale, int window_left=-1, float softcap=0.0, "
-      "Tensor? sinks=None, bool return_lse=False, Tensor? k_scale=None, Tensor? v_scale=None) "
-      "-> (Tensor, Tensor)");
+  // The cuda backend: our paged prefill/decode kernels (CUDA key only; csrc/backends/cuda), over
+  // attention's arguments (paged calls; backend and backend_source are ignored). Returns
+  // (out, lse): lse [T, Hq] float32 when return_lse, else an empty tensor.
+  m.def("cuda_paged_attention(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS
+        ", *, bool return_lse=False) -> (Tensor, Tensor)");
   // The kernel tuning string (csrc/kernels/paged_attention/plan.h: KernelTuning), "" = automatic.
   m.def("set_kernel_tuning(str tuning) -> ()", &astr::set_kernel_tuning);
   m.def("kernel_tuning() -> str", &astr::kernel_tuning);

@@ -1,0 +1,25 @@
+// A checked paged call as the kernels' parameter struct and the plans' shapes.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "backends/cuda/paged_attention_checks.h"
+#include "kernels/paged_attention/params.h"
+#include "kernels/paged_attention/plan.h"
+
+namespace astr::backends {
+
+// Raw pointers and strides of q, the pools, the metadata, the variants' tensors, out [T,Hq,D] and
+// lse ([T,Hq] float32, or undefined when the call returns none).
+kernels::PagedAttentionParams paged_attention_params(const AttentionArgs& args,
+                                                     const PagedCallShape& shape,
+                                                     const at::Tensor& out, const at::Tensor& lse);
+
+kernels::DecodeShape decode_shape(const PagedCallShape& shape, const AttentionArgs& args);
+
+// The K/V one (sequence, kv head) pair may read, for the prefill's block order; the element the
+// kernel reads is q's dtype (an FP8 cache is dequantized to it first, or read at 2 bytes' cost).
+kernels::PrefillKvFootprint prefill_kv_footprint(const PagedCallShape& shape,
+                                                 int64_t q_element_bytes);
+
+}  // namespace astr::backends
