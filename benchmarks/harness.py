@@ -1,7 +1,7 @@
 """How the attention benchmark measures: counting bytes and FLOPs, the inputs (a paged pool with
 its pages scattered, the same values as contiguous tensors), the reference, CUDA-event timing with
 L2 emptied before each run, the copy and matmul ceilings, and a runner that survives peers that
-raise. Nothing here knows a peer; bench_attention.py (the driver) and the lab probes use it.
+raise. Nothing here knows a peer; bench_attention.py (the driver) and the other bench_*.py use it.
 
 Every function takes its device (default "cuda"); on "cpu" the timer reads the host clock and
 flushes nothing, which is what the CPU tests in tests/benchmarks/ exercise.
@@ -223,9 +223,8 @@ FLUSH_MODES = {
     # A read of a 256 MB buffer (a sum) leaves L2 cold and clean: every line the timed call
     # needs comes from memory, and no line of the flush is left to be written back.
     "read": "256 MB read between runs (L2 cold and clean, outside the events)",
-    # A write of 256 MB (until 2026-12-02, third session) leaves L2 full of dirty lines whose
-    # write-back then runs inside the next timed call: measured on the H200, about 8 us more
-    # for every peer alike (lab/NOTES.md, "The flush").
+    # A write of 256 MB (until 2026-12-02) leaves L2 full of dirty lines whose write-back then
+    # runs inside the next timed call (results/decisions.md, "The benchmark's L2 flush").
     "write": "256 MB write between runs (L2 cold, full of dirty lines, outside the events)",
 }
 

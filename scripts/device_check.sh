@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One full pass on a GPU machine (the device): build, every test, the memory checker on a
-# small run, the demo and the benchmark. Logs go to $OUT (default /tmp/out).
+# small run, the race checker on the prefill kernels, the demo and the benchmark. Logs go to $OUT
+# (default /tmp/out). SKIP_TESTS, SKIP_SANITIZER, SKIP_RACECHECK, SKIP_DEMO, SKIP_BENCH=1 skip
+# a step.
 # BASELINE_DIR=<folder of this tree holding sources exported by
 # `BASELINE_EXPORT_ONLY=1 bash benchmarks/build_baseline.sh COMMIT <folder>`>: builds that older
 # library too and runs the benchmark as an A/B against it (benchmarks/README.md).
@@ -23,6 +25,14 @@ fi
 if [ "${SKIP_SANITIZER:-0}" != 1 ]; then
   step compute-sanitizer
   compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitizer_smoke.py 2>&1 | tail -8 | tee "$OUT/sanitizer.log"
+fi
+if [ "${SKIP_RACECHECK:-0}" != 1 ]; then
+  # Shared-memory races of the prefill kernels' pipelines (TMA boxes, the cp.async gather, wgmma,
+  # mma.sync): one ragged batch whose sequences take different numbers of row tiles, each kernel.
+  step racecheck
+  compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_cuda_kernels.py -k prefill_ragged_batch_with_uneven_row_tiles 2>&1 \
+    | tail -4 | tee "$OUT/racecheck.log"
 fi
 if [ "${SKIP_DEMO:-0}" != 1 ]; then
   step demo

@@ -2,8 +2,8 @@
 //
 // Why: on the H200 image (torch 2.11+cu130, GCC 13) a TORCH_CHECK whose message streamed an
 // integer through c10::str crashed the process (SIGSEGV) instead of raising, while messages made
-// only of strings raised cleanly (scripts/diagnose_throw.py shows the cases). Numbers are
-// therefore formatted with std::to_string and shapes/dtypes/devices by their own to-string.
+// only of strings raised cleanly. Numbers are therefore formatted with std::to_string and
+// shapes/dtypes/devices by their own to-string.
 #pragma once
 
 #include <ATen/ATen.h>

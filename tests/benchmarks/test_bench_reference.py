@@ -1,18 +1,16 @@
 """The reference every peer is checked against, itself checked against the definition."""
 
-import math
-
 import pytest
 import torch
 from harness import reference_attention, rel_l2
 
+from tests.reference import dense_reference
+
 
 def attention_by_definition(q, k, v, mask):
-    """softmax(q k^T / sqrt(D), masked) v in float64, kv heads repeated for GQA."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+    """tests/reference.py's attention of [B, H, L, D] tensors (the benchmark's layout)."""
+    blhd = (t.transpose(1, 2) for t in (q, k, v))
+    return dense_reference(*blhd, attn_mask=mask).transpose(1, 2)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ Each scenario runs in spawned processes (torch.multiprocessing), all drawing the
 q/k/v from one seed, as ranks that hold replicated activations would.
 """
 
-import math
 import os
 import tempfile
 
@@ -15,25 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.reference import sequence_reference
+
 HQ, HKV, D, PAGE = 4, 2, 64, 4  # D=64: a head dim the cuda kernels serve
 PROMPTS = [5, 13, 2, 9]  # the last-but-one is shorter than a page: one rank holds all of it
 CHUNKS = [3, 7, 1, 4]  # a second prefill over cached prefixes
 DECODE_STEPS = 4
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def reference(q, keys, values, positions, softcap):
-    """float64 causal attention of queries q [n, Hq, D] at these positions over keys/values
-    [L, Hkv, D] of their sequence."""
-    q, keys, values = q.double(), keys.double(), values.double()
-    group = HQ // HKV
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scores = torch.einsum("nhd,lhd->hnl", q, keys) / math.sqrt(D)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(positions)[:, None]
-    scores = scores.masked_fill(~visible, -math.inf)
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
 
 
 def relative_error(out, ref):
@@ -74,15 +61,14 @@ def run_scenario(rank, world, init_file, dtype, softcap, device, backend):
 
             start = 0
             for seq, new in zip(seq_ids, new_tokens):
-                old = sum(len(t) for t in keys[seq])
                 keys[seq].append(k[start : start + new])
                 values[seq].append(v[start : start + new])
-                ref = reference(
+                ref = sequence_reference(
                     q[start : start + new],
                     torch.cat(keys[seq]),
                     torch.cat(values[seq]),
-                    list(range(old, old + new)),
-                    softcap,
+                    is_causal=True,
+                    softcap=softcap,
                 )
                 error = relative_error(out[start : start + new], ref)
                 worst = max(worst, error)
@@ -124,12 +110,12 @@ def run_scenario(rank, world, init_file, dtype, softcap, device, backend):
         ).cpu()
         q = q.cpu()
         long_seq = PROMPTS.index(max(PROMPTS))
-        ref = reference(
+        ref = sequence_reference(
             q[long_seq, :, :, :],
             torch.cat(keys[long_seq]),
             torch.cat(values[long_seq]),
-            [cache.seq_len(long_seq) - 1],
-            softcap,
+            is_causal=True,
+            softcap=softcap,
         )
         assert relative_error(alone[long_seq : long_seq + 1], ref) > 20 * TOLERANCE[dtype]
     finally:

@@ -14,12 +14,8 @@ import astrai.extension as ae
 from astrai.extension import ops
 from astrai.extension.backend import flash as flash_module
 from tests.doubles import flash_attn_cute_sdpa_double, flash_attn_sdpa_double
-from tests.extension.test_numerics import (
-    RAGGED_STEPS,
-    PagedRun,
-    assert_matches,
-    paged_sequence_reference,
-)
+from tests.extension.test_numerics import RAGGED_STEPS, PagedRun, assert_matches
+from tests.reference import sequence_reference
 
 attention_module = importlib.import_module("astrai.extension.backend.attention")
 
@@ -299,7 +295,9 @@ def test_flash4_paged_steps_match_definition(flash4_double, page_size, is_causal
             rows = slice(start, start + new)
             run.keys[seq] = torch.cat([run.keys.get(seq, k[:0]), k[rows]])
             run.values[seq] = torch.cat([run.values.get(seq, v[:0]), v[rows]])
-            ref = paged_sequence_reference(q[rows], run.keys[seq], run.values[seq], 0.25, is_causal)
+            ref = sequence_reference(
+                q[rows], run.keys[seq], run.values[seq], is_causal=is_causal, scale=0.25
+            )
             assert_matches(out[rows], ref)
             start += new
     assert flash_attn_cute_sdpa_double.calls["varlen"] == calls["varlen"] + len(RAGGED_STEPS)

@@ -12,12 +12,8 @@ import torch
 
 import astrai.extension as ae
 from astrai.extension.backend import flash as flash_module
-from tests.extension.test_numerics import (
-    RAGGED_STEPS,
-    PagedRun,
-    assert_matches,
-    dense_reference,
-)
+from tests.extension.test_numerics import RAGGED_STEPS, PagedRun, assert_matches
+from tests.reference import dense_reference
 
 pytestmark = pytest.mark.cuda
 

@@ -2,49 +2,20 @@
 is refused.
 
 Stored: fp8(clamp(x / scale[kv head], -max, max)), torch's rounding; read: stored.float() * scale.
-The attention reference is float64 over the dequantized stored bytes, the values every backend
-reads; a control shows the comparison fails when the scales are ignored.
+The attention reference (tests/reference.py) is float64 over the dequantized stored bytes, the
+values every backend reads; a control shows the comparison fails when the scales are ignored.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 import astrai.extension as ae
 from astrai.extension import PagedKVCache, ops
+from tests.reference import paged_reference, quantize
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-
-
-def stored_reference(x, scale, dtype):
-    largest = torch.finfo(dtype).max
-    return (x.float() / scale.view(1, -1, 1)).clamp(-largest, largest).to(dtype)
-
-
-def dequantized(cache, layer, seq_id):
-    """[len, Hkv, D] float64: what the cache holds for a sequence, read as stored * scale."""
-    k_pool, v_pool = cache.layer(layer)
-    k_scale, v_scale = cache.scales(layer)
-    n = cache.seq_len(seq_id)
-    pages = torch.tensor(cache.pages_of(seq_id))
-    pos = torch.arange(n)
-    page, slot = pages[pos // cache.page_size], pos % cache.page_size
-    k = k_pool[page, slot].double() * k_scale.double().view(1, -1, 1)
-    v = v_pool[page, slot].double() * v_scale.double().view(1, -1, 1)
-    return k, v
-
-
-def attention64(q, k, v, positions, scale):
-    hq, hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    s = torch.einsum("ihd,jhd->hij", q.double(), k) * scale
-    allowed = torch.arange(k.shape[0])[None, :] <= positions[:, None]
-    s = s.masked_fill(~allowed[None], float("-inf"))
-    return torch.einsum("hij,jhd->ihd", s.softmax(-1), v)
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -60,11 +31,9 @@ def test_append_stores_the_quantized_values_torch_would(dtype):
     k_scale, v_scale = cache.scales(0)
     stored_k = cache.k_pools[0].view(-1, 2, 32)[slots]
     stored_v = cache.v_pools[0].view(-1, 2, 32)[slots]
-    expected_k = stored_reference(k[0], k_scale, dtype)
+    expected_k = quantize(k[0], k_scale, dtype)
     assert torch.equal(stored_k.view(torch.uint8), expected_k.view(torch.uint8))
-    assert torch.equal(
-        stored_v.view(torch.uint8), stored_reference(v[0], v_scale, dtype).view(torch.uint8)
-    )
+    assert torch.equal(stored_v.view(torch.uint8), quantize(v[0], v_scale, dtype).view(torch.uint8))
     # Saturation at the format's largest finite value, never NaN or inf.
     largest = torch.finfo(dtype).max
     assert stored_k[3, 0, 0].float() == largest and stored_k[3, 0, 1].float() == -largest
@@ -92,27 +61,21 @@ def test_attention_reads_stored_values_times_scale(dtype, page_size, q_dtype):
         is_causal=True,
     )
     for new in (5, 1, 1):
-        cache.begin_step([0], [new])
+        step = cache.begin_step([0], [new])
         q = torch.randn(1, new, hq, d, dtype=q_dtype)
         k = torch.randn(1, new, hkv, d, dtype=q_dtype)
         v = torch.randn(1, new, hkv, d, dtype=q_dtype)
         fwd = "decode" if new == 1 else "prefill"
         out = ae.attention(q, k, v, kv_cache=cache, fwd=fwd, is_causal=True)
         assert out.dtype == q_dtype
-        keys, values = dequantized(cache, 0, 0)
-        n = keys.shape[0]
-        ref = attention64(q[0], keys, values, torch.arange(n - new, n), 1 / math.sqrt(d))
+        k_pool, v_pool = cache.layer(0)
+        k_scale, v_scale = cache.scales(0)
+        paged = (q[0], k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc)
+        ref = paged_reference(*paged, is_causal=True, k_scale=k_scale, v_scale=v_scale)
         err = (out[0].double() - ref).norm() / ref.norm()
         assert err < 1e-2, err
     # Control: reading the stored values without their scales is far off.
-    k_pool, v_pool = cache.layer(0)
-    unscaled = attention64(
-        q[0],
-        keys / cache.k_scales[0].double().view(1, -1, 1),
-        values / cache.v_scales[0].double().view(1, -1, 1),
-        torch.arange(n - 1, n),
-        1 / math.sqrt(d),
-    )
+    unscaled = paged_reference(*paged, is_causal=True)
     assert (out[0].double() - unscaled).norm() / unscaled.norm() > 0.1
 
 

@@ -8,8 +8,8 @@ calls let query ``i`` see key ``j`` when ``j <= i`` (dense, aligned top-left lik
 ``j <= seq_len - q_len + i`` (paged: the new tokens sit after the cached prefix). A query that
 sees no key returns zeros.
 
-The reference below is written from that definition in float64 (einsum and an explicit
-softmax), never by calling SDPA. Every input is fresh random data.
+The reference (tests/reference.py) is written from that definition in float64, never by calling
+SDPA. Every input is fresh random data.
 """
 
 from __future__ import annotations
@@ -20,81 +20,9 @@ import pytest
 import torch
 
 from astrai.extension import KVCacheFullError, PagedKVCache, attention
+from tests.reference import dense_reference, paged_reference, sequence_reference
 
 NEG_INF = float("-inf")
-
-# -- the reference ---------------------------------------------------------------------------
-
-
-def reference_attention(q, k, v, scale, visible=None, bias=None):
-    """Attention of one sequence, from the definition, in float64.
-
-    q [Lq, Hq, D], k [Lk, Hkv, D], v [Lk, Hkv, Dv] -> [Lq, Hq, Dv].
-    visible: bool, broadcastable to [Hq, Lq, Lk]; False removes the key for that query.
-    bias: float, broadcastable to [Hq, Lq, Lk]; added to the scores (-inf removes the key).
-    """
-    q, k, v = q.double(), k.double(), v.double()
-    q_heads, kv_heads = q.shape[1], k.shape[1]
-    kv_head_of = torch.arange(q_heads) // (q_heads // kv_heads)  # GQA: kv head of each q head
-    k, v = k[:, kv_head_of], v[:, kv_head_of]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Lq, Lk]
-    if bias is not None:
-        scores = scores + bias.double()
-    if visible is not None:
-        scores = scores.masked_fill(~visible, NEG_INF)
-    sees_a_key = (scores != NEG_INF).any(-1, keepdim=True)
-    scores = scores.masked_fill(~sees_a_key, 0.0)
-    weights = (scores - scores.amax(-1, keepdim=True)).exp()
-    weights = weights / weights.sum(-1, keepdim=True) * sees_a_key  # no key seen: zeros
-    return torch.einsum("hqk,khd->qhd", weights, v)
-
-
-def default_scale(head_dim):
-    return 1.0 / math.sqrt(head_dim)
-
-
-def dense_reference(q, k, v, attn_mask=None, is_causal=False, scale=None):
-    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; mask broadcastable to [B, Hq, Lq, Lk]."""
-    batch, q_len, q_heads, head_dim = q.shape
-    kv_len = k.shape[1]
-    scale = default_scale(head_dim) if scale is None else scale
-    outputs = []
-    for b in range(batch):
-        visible = torch.ones(q_heads, q_len, kv_len, dtype=torch.bool)
-        bias = None
-        if is_causal:  # top-left: query i sees key j <= i
-            visible &= torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None]
-        if attn_mask is not None:
-            mask = attn_mask.expand(batch, q_heads, q_len, kv_len)[b]
-            if mask.dtype == torch.bool:
-                visible &= mask
-            else:
-                bias = mask
-        outputs.append(reference_attention(q[b], k[b], v[b], scale, visible, bias))
-    return torch.stack(outputs)
-
-
-def paged_sequence_reference(q, k, v, scale, is_causal, mask_rows=None):
-    """One sequence of a paged call. q [n, Hq, D] are the new tokens, k/v [L, Hkv, D] every
-    token of the sequence (cached + new); new token i sits at position L - n + i. mask_rows
-    [n, K] (bool or additive) covers kv positions 0..K-1; positions >= K are masked."""
-    new, length = q.shape[0], k.shape[0]
-    positions = torch.arange(length)
-    visible = torch.ones(new, length, dtype=torch.bool)
-    bias = None
-    if is_causal:
-        visible &= positions[None, :] <= (length - new + torch.arange(new))[:, None]
-    if mask_rows is not None:
-        columns = mask_rows.shape[1]
-        visible &= positions[None, :] < columns
-        inside = mask_rows[:, : min(columns, length)]
-        pad = length - inside.shape[1]
-        if mask_rows.dtype == torch.bool:
-            visible &= torch.cat([inside, inside.new_zeros(new, pad)], dim=1)
-        else:
-            bias = torch.cat([inside.double(), torch.full((new, pad), NEG_INF)], dim=1)
-    return reference_attention(q, k, v, scale, visible, bias)
-
 
 # -- helpers ---------------------------------------------------------------------------------
 
@@ -338,15 +266,14 @@ class PagedRun:
             rows = slice(start, start + new)
             self.keys[seq] = torch.cat([self.keys.get(seq, k[:0]), k[rows]])
             self.values[seq] = torch.cat([self.values.get(seq, v[:0]), v[rows]])
-            scale_ = default_scale(self.head_dim) if scale is None else scale
             refs.append(
-                paged_sequence_reference(
+                sequence_reference(
                     q[rows],
                     self.keys[seq],
                     self.values[seq],
-                    scale_,
-                    is_causal,
-                    None if mask is None else mask[rows],
+                    is_causal=is_causal,
+                    scale=scale,
+                    attn_mask=None if mask is None else mask[rows],
                 )
             )
             start += new
@@ -474,26 +401,18 @@ def shuffled_paged_call(
     ), g
 
 
-def gather_sequence(cache, block_table_row, length, page_size):
-    """Positions 0..length-1 of a sequence: position p is slot p % S of page row[p // S]."""
-    return torch.stack(
-        [cache[block_table_row[p // page_size], p % page_size] for p in range(length)]
+def reference_of(call, is_causal, attn_mask=None):
+    """The reference's answer to a shuffled_paged_call."""
+    return paged_reference(
+        call["q"],
+        call["k_cache"],
+        call["v_cache"],
+        call["block_table"],
+        call["seq_lens"],
+        call["query_start_loc"],
+        is_causal=is_causal,
+        attn_mask=attn_mask,
     )
-
-
-def paged_reference(call, is_causal, scale=None, attn_mask=None):
-    q, page_size = call["q"], call["k_cache"].shape[1]
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    starts = call["query_start_loc"].tolist()
-    refs = []
-    for b, length in enumerate(call["seq_lens"].tolist()):
-        rows = slice(starts[b], starts[b + 1])
-        row = call["block_table"][b].tolist()
-        k = gather_sequence(call["k_cache"], row, length, page_size)
-        v = gather_sequence(call["v_cache"], row, length, page_size)
-        mask = None if attn_mask is None else attn_mask[rows]
-        refs.append(paged_sequence_reference(q[rows], k, v, scale, is_causal, mask))
-    return torch.cat(refs)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -515,7 +434,7 @@ def test_paged_prefill_op_matches_definition(page_size, heads, is_causal):
     out = torch.ops.astr.attention(
         mode="prefill", is_causal=is_causal, backend="torch_native", **call
     )
-    assert_matches(out, paged_reference(call, is_causal))
+    assert_matches(out, reference_of(call, is_causal))
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -537,7 +456,7 @@ def test_paged_decode_op_matches_definition(page_size, heads, with_starts, is_ca
         seed=50 + page_size,
         num_pages=width * len(seq_lens) + 3,
     )
-    ref = paged_reference(call, is_causal=is_causal)
+    ref = reference_of(call, is_causal=is_causal)
     if not with_starts:
         call["query_start_loc"] = None
     out = torch.ops.astr.attention(
@@ -549,14 +468,14 @@ def test_paged_decode_op_matches_definition(page_size, heads, with_starts, is_ca
 def test_paged_prefill_sequence_without_new_tokens_is_skipped():
     call, _ = shuffled_paged_call([6, 4, 9], [2, 0, 3], 4, 3, 4, 2, 32, seed=55)
     out = torch.ops.astr.attention(mode="prefill", is_causal=True, backend="torch_native", **call)
-    assert_matches(out, paged_reference(call, is_causal=True))
+    assert_matches(out, reference_of(call, is_causal=True))
 
 
 def test_paged_max_query_len_may_exceed_the_longest_query():
     call, _ = shuffled_paged_call([6, 4, 9], [2, 1, 3], 4, 3, 4, 2, 32, seed=56)
     call["max_query_len"] = 7
     out = torch.ops.astr.attention(mode="prefill", is_causal=True, backend="torch_native", **call)
-    assert_matches(out, paged_reference(call, is_causal=True))
+    assert_matches(out, reference_of(call, is_causal=True))
 
 
 def test_paged_value_head_dim_may_differ_from_query_head_dim():
@@ -564,7 +483,7 @@ def test_paged_value_head_dim_may_differ_from_query_head_dim():
     call["v_cache"] = randn(*call["v_cache"].shape[:3], 24, g=g)
     out = torch.ops.astr.attention(mode="prefill", is_causal=True, backend="torch_native", **call)
     assert out.shape == (6, 4, 24)
-    assert_matches(out, paged_reference(call, is_causal=True))
+    assert_matches(out, reference_of(call, is_causal=True))
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])
@@ -581,14 +500,14 @@ def test_paged_op_mask_matches_definition(mask_kind, columns):
     out = torch.ops.astr.attention(
         mode="prefill", is_causal=True, attn_mask=mask, backend="torch_native", **call
     )
-    assert_matches(out, paged_reference(call, is_causal=True, attn_mask=mask))
+    assert_matches(out, reference_of(call, is_causal=True, attn_mask=mask))
 
 
 @pytest.mark.parametrize("unused_entry", [-1, 0, 10_000])
 def test_paged_block_table_entries_past_a_sequences_pages_are_not_read(unused_entry):
     seq_lens, q_lens = [5, 2], [3, 2]
     call, _ = shuffled_paged_call(seq_lens, q_lens, 4, 5, 4, 2, 32, seed=60)
-    ref = paged_reference(call, is_causal=True)
+    ref = reference_of(call, is_causal=True)
     call["block_table"][0, 2:] = unused_entry  # sequence 0 uses 2 pages
     call["block_table"][1, 1:] = unused_entry  # sequence 1 uses 1 page
     out = torch.ops.astr.attention(mode="prefill", is_causal=True, backend="torch_native", **call)
@@ -613,7 +532,7 @@ def test_paged_row_that_sees_no_key_returns_zeros(mask_kind):
     )
     blind = [1, 3] if mask_kind != "no_columns" else list(range(tokens))
     assert torch.equal(out[blind], torch.zeros_like(out[blind]))
-    assert_matches(out, paged_reference(call, is_causal=True, attn_mask=mask))
+    assert_matches(out, reference_of(call, is_causal=True, attn_mask=mask))
 
 
 # -- the page allocator ----------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Properties of the torch_native backend over random calls (hypothesis), against the float64
-reference written from the definition (attention_reference.py):
+reference written from the definition (tests/reference.py):
 
 - paged prefill and decode: random batch sizes, head counts (GQA), head dims, page sizes
   (1..256, powers of two), ragged lengths, page orders in the pool and spare block-table columns;
@@ -19,9 +19,9 @@ import math
 
 import pytest
 import torch
-from attention_reference import assert_close_to_reference, dense_reference, paged_reference
 
 import astrai.extension  # noqa: F401  (loads the native ops)
+from tests.reference import assert_close_to_reference, dense_reference, paged_reference
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
@@ -96,7 +96,7 @@ def reference_of(call):
         call["block_table"],
         call["seq_lens"],
         starts,
-        call["is_causal"],
+        is_causal=call["is_causal"],
     )
 
 
@@ -168,7 +168,7 @@ def dense_calls(draw):
 def test_dense_calls_match_the_definition(case):
     q, k, v, is_causal, mask = case
     out = torch.ops.astr.attention(q, k, v, mask, is_causal, backend="torch_native")
-    assert_close_to_reference(out, dense_reference(q, k, v, is_causal, mask))
+    assert_close_to_reference(out, dense_reference(q, k, v, attn_mask=mask, is_causal=is_causal))
 
 
 # -- random bad metadata ---------------------------------------------------------------------

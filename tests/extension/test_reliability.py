@@ -18,7 +18,6 @@ import warnings
 
 import pytest
 import torch
-from attention_reference import assert_close_to_reference, dense_reference, paged_reference
 
 from astrai.extension import (
     KVCacheFullError,
@@ -32,6 +31,7 @@ from astrai.extension import (
 from astrai.extension.backend.base import THREAD_CONTEXTS
 from astrai.extension.backend.cuda import CudaBackend
 from astrai.extension.backend.flash import FlashAttnBackend
+from tests.reference import assert_close_to_reference, dense_reference, paged_reference
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -730,7 +730,7 @@ def test_a_non_finite_scale_is_refused(scale):
 def test_a_finite_scale_is_used_as_given(scale):
     q, k, v = dense_qkv()
     out = attention(q, k, v, scale=scale)
-    assert_close_to_reference(out, dense_reference(q, k, v, False, scale=scale))
+    assert_close_to_reference(out, dense_reference(q, k, v, is_causal=False, scale=scale))
 
 
 def test_a_huge_max_query_len_runs_as_its_bound():
@@ -755,7 +755,7 @@ def test_a_huge_max_query_len_runs_as_its_bound():
     )
     huge = torch.ops.astr.attention(**call, max_query_len=10**15)
     ref = paged_reference(
-        q, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc, True
+        q, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc, is_causal=True
     )
     assert_close_to_reference(huge, ref)
     with pytest.raises(RuntimeError, match="max_query_len: 3 is less than sequence 1's 4"):
@@ -782,7 +782,7 @@ def test_a_non_finite_value_in_one_sequence_never_reaches_another(poison):
     k_pool, v_pool = cache.layer(0)
     out = attention(q[None], None, None, kv_cache=cache, fwd="prefill", is_causal=True)[0]
     ref = paged_reference(
-        q, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc, True
+        q, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc, is_causal=True
     )
     assert_close_to_reference(out[10:], ref[10:])  # sequence 1 never reads page 0
 
@@ -803,6 +803,6 @@ def test_a_freed_page_holding_nan_gives_its_next_owner_nothing_of_it():
     out = attention(q[None], None, None, kv_cache=cache, fwd="prefill", is_causal=True)[0]
     k_pool, v_pool = cache.layer(0)
     ref = paged_reference(
-        q, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc, True
+        q, k_pool, v_pool, step.block_table, step.seq_lens, step.query_start_loc, is_causal=True
     )
     assert_close_to_reference(out, ref)

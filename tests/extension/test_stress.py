@@ -13,7 +13,6 @@ import threading
 
 import pytest
 import torch
-from attention_reference import assert_close_to_reference, attend, gather_tokens
 
 from astrai.extension import (
     AttentionBackend,
@@ -25,6 +24,7 @@ from astrai.extension import (
     get_backend,
 )
 from astrai.extension.backend.base import THREAD_CONTEXTS
+from tests.reference import assert_close_to_reference, attend, gather_tokens
 
 BUILTIN_NAMES = ("cuda", "flash", "torch_native")
 

@@ -1,7 +1,7 @@
 """The attention variants through the one entry point, on the CPU (torch_native, the reference):
 sliding window, logit softcap, attention sinks, the log-sum-exp output, and merge_states.
 
-Every expectation is a float64 computation written from the definitions
+Every expectation is the float64 reference (tests/reference.py), written from the definitions
 (csrc/kernels/paged_attention/params.h): s = scale * q.k, then c * tanh(s / c) with a softcap;
 a query at position p sees keys max(0, p - W) .. p; the softmax runs over the visible keys plus
 one sink logit per q head (no value); lse is the log of its denominator. Each comparison has a
@@ -10,57 +10,14 @@ control: the same comparison with the variant dropped must fail.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import astrai.extension as ae
 from astrai.extension import PagedKVCache
+from tests.reference import dense_reference, sequence_reference
 
 torch.manual_seed(0)
-
-
-def reference(
-    q,
-    k,
-    v,
-    positions,
-    kv_len,
-    causal=True,
-    window_left=-1,
-    softcap=None,
-    sinks=None,
-    scale=None,
-    mask=None,
-):
-    """q [Lq, Hq, D], k/v [Lk, Hkv, D] of one sequence; positions [Lq] absolute. -> (out, lse)."""
-    q, k, v = q.double(), k.double(), v.double()
-    hq, hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(hq // hkv, dim=1)
-    v = v.repeat_interleave(hq // hkv, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = torch.einsum("ihd,jhd->hij", q, k) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    kv = torch.arange(kv_len)[None, :]
-    p = positions[:, None]
-    allowed = torch.ones(len(positions), kv_len, dtype=torch.bool)
-    if causal:
-        allowed &= kv <= p
-    if window_left >= 0:
-        allowed &= kv >= p - window_left
-    if mask is not None:
-        allowed &= mask
-    s = s.masked_fill(~allowed[None], float("-inf"))
-    if sinks is not None:
-        s_all = torch.cat([s, sinks.double().view(hq, 1, 1).expand(hq, len(positions), 1)], -1)
-    else:
-        s_all = s
-    lse = torch.logsumexp(s_all, -1)  # [Hq, Lq]
-    probs = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    out = torch.einsum("hij,jhd->ihd", probs, v)
-    return out, lse.transpose(0, 1)
 
 
 def close(a, b, tol):
@@ -99,13 +56,13 @@ def test_dense_variants_match_the_definition(variant):
     args = materialize(variant, q.shape[2])
     out, lse = ae.attention(q, k, v, is_causal=True, return_lse=True, **args)
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
+    ref_out, ref_lse = dense_reference(q, k, v, is_causal=True, return_lse=True, **args)
     for b in range(q.shape[0]):
-        ref_out, ref_lse = reference(q[b], k[b], v[b], torch.arange(q.shape[1]), k.shape[1], **args)
-        assert close(out[b], ref_out, 1e-10)
-        assert close(lse[b], ref_lse, 1e-5)
+        assert close(out[b], ref_out[b], 1e-10)
+        assert close(lse[b], ref_lse[b], 1e-5)
     # Control: without the variant the same comparison fails.
     plain = ae.attention(q, k, v, is_causal=True)
-    assert not close(plain[0], reference(q[0], k[0], v[0], torch.arange(9), 9, **args)[0], 1e-6)
+    assert not close(plain[0], ref_out[0], 1e-6)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(sorted(v)))
@@ -144,9 +101,9 @@ def test_paged_variants_match_the_definition_over_ragged_batches(variant, fwd):
     for s, n in enumerate(new):
         keys = torch.cat([history[s], kn[0, start : start + n]])
         vals = torch.cat([values[s], vn[0, start : start + n]])
-        length = keys.shape[0]
-        positions = torch.arange(length - n, length)
-        ref_out, ref_lse = reference(q[0, start : start + n], keys, vals, positions, length, **args)
+        ref_out, ref_lse = sequence_reference(
+            q[0, start : start + n], keys, vals, is_causal=True, return_lse=True, **args
+        )
         assert close(out[0, start : start + n], ref_out, 1e-10)
         assert close(lse[0, start : start + n], ref_lse, 1e-5)
         start += n

@@ -26,6 +26,7 @@ from transformers import (  # noqa: E402
 
 import astrai.integrations.transformers as astrai_transformers  # noqa: E402
 from astrai.extension import AttentionBackend, attention, attn_backend, explain  # noqa: E402
+from tests.reference import dense_reference  # noqa: E402
 
 astrai_transformers.register()
 
@@ -305,28 +306,6 @@ def test_sliding_window_mask_matches_sdpa():
     assert (logits_with(model, "sdpa", ids) - reference).abs().max() > 1e-3
 
 
-def reference_attention(q, k, v, scale, window=None, softcap=None, sinks=None):
-    """float64, from the definition; q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D], causal top-left."""
-    group = q.shape[2] // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    rows = torch.arange(q.shape[1])[:, None]
-    cols = torch.arange(k.shape[1])[None, :]
-    visible = cols <= rows
-    if window is not None:
-        visible &= cols > rows - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", weights, v.double())
-
-
 class FakeModule(torch.nn.Module):
     is_causal = True
 
@@ -345,9 +324,11 @@ def test_a_sliding_window_without_a_mask_uses_window_left():
     out, _ = astrai_transformers.attention_forward(
         FakeModule(), q, k, v, None, scaling=0.25, sliding_window=4
     )
-    expected = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25, 4)
+    blhd = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    # transformers' window of 4 is the query's own position and the 3 before it
+    expected = dense_reference(*blhd, is_causal=True, scale=0.25, window_left=3)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
-    full = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25)
+    full = dense_reference(*blhd, is_causal=True, scale=0.25)
     assert (out.double() - full).abs().max() > 1e-2  # control: the window matters here
 
 
@@ -358,11 +339,10 @@ def test_softcap_is_passed_on():
     out, _ = astrai_transformers.attention_forward(
         FakeModule(), q, k, v, None, scaling=0.25, softcap=3.0
     )
-    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25)
-    torch.testing.assert_close(
-        out.double(), reference_attention(*args, softcap=3.0), atol=1e-5, rtol=1e-5
-    )
-    assert (out.double() - reference_attention(*args)).abs().max() > 1e-2
+    blhd = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    expected = dense_reference(*blhd, is_causal=True, scale=0.25, softcap=3.0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert (out.double() - dense_reference(*blhd, is_causal=True, scale=0.25)).abs().max() > 1e-2
 
 
 @needs_attention_argument("sinks")
@@ -372,11 +352,10 @@ def test_sinks_are_passed_on():
     out, _ = astrai_transformers.attention_forward(
         FakeModule(), q, k, v, None, scaling=0.25, s_aux=sinks
     )
-    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.25)
-    torch.testing.assert_close(
-        out.double(), reference_attention(*args, sinks=sinks), atol=1e-5, rtol=1e-5
-    )
-    assert (out.double() - reference_attention(*args)).abs().max() > 1e-2
+    blhd = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    expected = dense_reference(*blhd, is_causal=True, scale=0.25, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    assert (out.double() - dense_reference(*blhd, is_causal=True, scale=0.25)).abs().max() > 1e-2
 
 
 def test_a_variant_this_astrai_lacks_raises_a_clear_error(monkeypatch):

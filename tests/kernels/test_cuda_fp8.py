@@ -19,6 +19,7 @@ from tests.kernels.test_cuda_kernels import (
 )
 from tests.kernels.test_cuda_variants import run as run_variant
 from tests.kernels.test_cuda_variants import variant_reference
+from tests.reference import quantize
 
 pytestmark = [
     pytest.mark.cuda,
@@ -40,23 +41,17 @@ PREFILL_WAYS = {
 
 
 class Fp8Batch:
-    """A PagedBatch whose pools are quantized to `fp8` with random per-head scales; gather()
-    returns the dequantized values, so the variant reference reads what the kernels read."""
+    """A PagedBatch whose pools are quantized to `fp8` with random per-head scales, which the
+    reference applies as the kernels do (stored.float() * scale)."""
 
     def __init__(self, batch: PagedBatch, fp8, generator):
         self.inner = batch
         hkv = batch.k_cache.shape[2]
         self.k_scale = (torch.rand(hkv, generator=generator, device="cuda") + 0.25).float()
         self.v_scale = (torch.rand(hkv, generator=generator, device="cuda") + 0.25).float()
-        largest = torch.finfo(fp8).max
-
-        def quantize(pool, scale):
-            scaled = pool.float() / scale.view(1, 1, -1, 1)
-            # NaN (unowned slots) stays NaN: a read of one shows up.
-            return scaled.clamp(-largest, largest).to(fp8)
-
-        self.k_cache = quantize(batch.k_cache, self.k_scale)
-        self.v_cache = quantize(batch.v_cache, self.v_scale)
+        # NaN (unowned slots) stays NaN: a read of one shows up.
+        self.k_cache = quantize(batch.k_cache, self.k_scale, fp8)
+        self.v_cache = quantize(batch.v_cache, self.v_scale, fp8)
         for name in (
             "block_table",
             "seq_lens",
@@ -68,13 +63,6 @@ class Fp8Batch:
             "num_tokens",
         ):
             setattr(self, name, getattr(batch, name))
-
-    def gather(self, cache, b):
-        scale = self.k_scale if cache is self.k_cache else self.v_scale
-        n = self.seq_lens_list[b]
-        pos = torch.arange(n, device=cache.device)
-        pages = self.block_table[b, pos // self.page_size].long()
-        return cache[pages, pos % self.page_size].double() * scale.double().view(1, -1, 1)
 
 
 def run(
@@ -371,10 +359,9 @@ def test_fp8_append_stores_the_values_torch_would(fp8, dtype):
     slots = torch.randperm(128, generator=g, device="cuda")[:20].int()
     slots[5] = -1  # skipped
     torch.ops.astr.append_kv(k, v, pool, v_pool, slots, k_scale, v_scale)
-    largest = torch.finfo(fp8).max
     keep = slots >= 0
-    expect_k = (k.float() / k_scale.view(1, -1, 1)).clamp(-largest, largest).to(fp8)[keep]
-    expect_v = (v.float() / v_scale.view(1, -1, 1)).clamp(-largest, largest).to(fp8)[keep]
+    expect_k = quantize(k, k_scale, fp8)[keep]
+    expect_v = quantize(v, v_scale, fp8)[keep]
     got_k = pool.view(-1, 4, 64)[slots[keep].long()]
     got_v = v_pool.view(-1, 4, 64)[slots[keep].long()]
     assert torch.equal(got_k.view(torch.uint8), expect_k.view(torch.uint8))

@@ -1,9 +1,9 @@
 """GPU tests of the cuda backend's own kernels: astr::append_kv and astr::cuda_paged_attention.
 
-The reference is written from the definition, in float64, one sequence at a time: gather the
-sequence's K/V through its block table, then softmax(q k^T * scale + masks) v. Inputs are fresh
-random values on a pool of shuffled pages; pool slots that no sequence owns are NaN, so a kernel
-that reads past a sequence's length shows up as NaN. Outputs are poisoned first
+The reference is tests/reference.py's, written from the definition in float64, one sequence at a
+time: gather the sequence's K/V through its block table, then softmax(q k^T * scale + masks) v.
+Inputs are fresh random values on a pool of shuffled pages; pool slots that no sequence owns are
+NaN, so a kernel that reads past a sequence's length shows up as NaN. Outputs are poisoned first
 (see `poison_next_allocation`).
 """
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from astrai.extension import ops  # loads the library, registers the ops
+from tests.reference import paged_reference
 
 cuda = pytest.mark.cuda
 pytestmark = [
@@ -123,40 +124,27 @@ class PagedBatch:
         self.q = torch.randn(
             self.num_tokens, num_q_heads, head_dim, device=dev, dtype=dtype, generator=generator
         )
-
-    def gather(self, cache, b):
-        n = self.seq_lens_list[b]
-        pos = torch.arange(n, device=cache.device)
-        pages = self.block_table[b, pos // self.page_size].long()
-        return cache[pages, pos % self.page_size].double()  # [n, Hkv, D]
+        self.k_scale = self.v_scale = None  # a 16-bit pool
 
 
-def reference(batch, q, is_causal, scale, attn_mask=None):
-    """Float64 attention from the definition, one sequence at a time."""
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    hq, hkv = q.shape[1], batch.k_cache.shape[2]
-    start = 0
-    for b, (n, m) in enumerate(zip(batch.seq_lens_list, batch.q_lens_list)):
-        if m == 0:
-            continue
-        k = batch.gather(batch.k_cache, b).repeat_interleave(hq // hkv, dim=1)
-        v = batch.gather(batch.v_cache, b).repeat_interleave(hq // hkv, dim=1)
-        qb = q[start : start + m].double()
-        scores = torch.einsum("ihd,jhd->hij", qb, k) * scale  # [Hq, m, n]
-        allowed = torch.ones(m, n, dtype=torch.bool, device=q.device)
-        if is_causal:
-            qpos = torch.arange(m, device=q.device) + (n - m)
-            allowed &= torch.arange(n, device=q.device)[None, :] <= qpos[:, None]
-        if attn_mask is not None:
-            kk = min(n, attn_mask.shape[1])
-            user = torch.zeros(m, n, dtype=torch.bool, device=q.device)
-            user[:, :kk] = attn_mask[start : start + m, :kk]
-            allowed &= user
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key -> zeros
-        out[start : start + m] = torch.einsum("hij,jhd->ihd", probs, v)
-        start += m
-    return out
+def reference(batch, q, is_causal, scale, attn_mask=None, **variants):
+    """The float64 reference (tests/reference.py) over the batch's pools, at the lengths in
+    batch.seq_lens_list (a replayed graph's test changes them); variants: window_left, softcap,
+    sinks, return_lse. An FP8 batch passes its scales."""
+    return paged_reference(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens_list,
+        batch.query_start_loc,
+        is_causal=is_causal,
+        scale=scale,
+        attn_mask=attn_mask,
+        k_scale=batch.k_scale,
+        v_scale=batch.v_scale,
+        **variants,
+    )
 
 
 def assert_close(out, ref, dtype):

@@ -1,6 +1,6 @@
 """GPU tests of the cuda backend's attention variants (sliding window, logit softcap, sink logits,
-the log-sum-exp output) in every decode form and both prefill kernels, against a float64
-reference written from the definitions (csrc/kernels/paged_attention/params.h):
+the log-sum-exp output) in every decode form and both prefill kernels, against the float64
+reference (tests/reference.py) written from the definitions (kernels/paged_attention/params.h):
 
     s = scale * q.k, then c * tanh(s / c) with a softcap c; a query at position p sees keys
     max(0, p - W) .. p with window_left W; softmax over the visible keys plus one sink logit per
@@ -22,6 +22,7 @@ from tests.kernels.test_cuda_kernels import (
     PagedBatch,
     needs_persistent_block,
     poison_next_allocation,
+    reference,
     splits_tuning,
 )
 
@@ -32,43 +33,18 @@ pytestmark = [
 
 
 def variant_reference(batch, q, scale, window_left=-1, softcap=None, sinks=None, attn_mask=None):
-    """(out, lse) in float64, one sequence at a time, causal."""
-    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64, device=q.device)
-    hq, hkv = q.shape[1], batch.k_cache.shape[2]
-    start = 0
-    for b, (n, m) in enumerate(zip(batch.seq_lens_list, batch.q_lens_list)):
-        if m == 0:
-            continue
-        k = batch.gather(batch.k_cache, b).repeat_interleave(hq // hkv, dim=1)
-        v = batch.gather(batch.v_cache, b).repeat_interleave(hq // hkv, dim=1)
-        # Tests hide NaN in keys a window excludes: their weight is 0, and 0 * NaN must not
-        # reach the reference (a kernel that read them shows NaN itself).
-        v = v.nan_to_num(nan=0.0)
-        scores = torch.einsum("ihd,jhd->hij", q[start : start + m].double(), k) * scale
-        if softcap is not None:
-            scores = softcap * torch.tanh(scores / softcap)
-        qpos = torch.arange(m, device=q.device)[:, None] + (n - m)
-        kpos = torch.arange(n, device=q.device)[None, :]
-        allowed = kpos <= qpos
-        if window_left >= 0:
-            allowed &= kpos >= qpos - window_left
-        if attn_mask is not None:
-            kk = min(n, attn_mask.shape[1])
-            user = torch.zeros(m, n, dtype=torch.bool, device=q.device)
-            user[:, :kk] = attn_mask[start : start + m, :kk]
-            allowed &= user
-        scores = scores.masked_fill(~allowed[None], float("-inf"))
-        if sinks is not None:
-            sink = sinks.double().view(hq, 1, 1).expand(hq, m, 1)
-            row_lse = torch.logsumexp(torch.cat([scores, sink], -1), -1)  # [Hq, m]
-        else:
-            row_lse = torch.logsumexp(scores, -1)
-        probs = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
-        out[start : start + m] = torch.einsum("hij,jhd->ihd", probs, v)
-        lse[start : start + m] = row_lse.transpose(0, 1)
-        start += m
-    return out, lse
+    """(out, lse) of the float64 reference (tests/reference.py), causal."""
+    return reference(
+        batch,
+        q,
+        True,
+        scale,
+        attn_mask,
+        window_left=window_left,
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=True,
+    )
 
 
 def run(

@@ -210,8 +210,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // Swizzled (kSwizzle = true): rows of exactly D elements, chunk c of row r stored at c ^ (r % 8);
 // the 8 rows of an ldmatrix again hit 8 distinct chunk positions of a 128-byte line. Costs an
 // address register per fragment column, but every row (and every 32-byte sector a cp.async
-// brings in) lands aligned: with the padded layout, rows at 272-byte pitch, a streaming kernel
-// read global memory 7-8% slower (H200 microbenchmark, lab/NOTES.md), so decode uses this.
+// brings in) lands aligned, which a streaming kernel needs: decode uses this (rows at a 272-byte
+// pitch read 7-8% slower: benchmarks/results/decisions.md, "Decode: tiles").
 template <int kRowElements, bool kSwizzle, int kChunkElements = 8>
 __device__ __forceinline__ int tile_offset(int row, int chunk) {
   static_assert(!kSwizzle || kRowElements >= 8 * kChunkElements,
@@ -223,9 +223,9 @@ __device__ __forceinline__ int tile_offset(int row, int chunk) {
 // FP8 (e4m3 or e5m2) bytes to f16 pairs in registers, for the KV-cache reads; exact, as every
 // e4m3 and e5m2 value is an f16 (a NaN byte stays NaN): e4m3 by the conversion unit
 // (cvt.rn.f16x2.e4m3x2), e5m2 by moving each byte to the top byte of its half (e5m2 is f16's top
-// byte). On the H200 the conversion unit turns 36 e4m3 pairs per clock per SM into f16, an
-// integer path into bf16 (prmt, shift, lop3, fma) 13 (lab/fp8_convert_rate.cu): so FP8 tiles
-// are multiplied in f16 whatever q's type (tile_math.cuh).
+// byte). The conversion unit turns about three times as many e4m3 pairs per clock into f16 as an
+// integer path makes bf16, so FP8 tiles are multiplied in f16 whatever q's type (tile_math.cuh;
+// benchmarks/results/decisions.md, "FP8 bytes become f16").
 // Bytes 0, 1 (kHigh false) or 2, 3 (kHigh true) of `bytes`, the lower byte in the low half.
 template <bool kE5M2, bool kHigh>
 __device__ __forceinline__ uint32_t fp8_pair_to_f16x2(uint32_t bytes) {

@@ -19,7 +19,7 @@ namespace astr::kernels {
 // kFixedMax: the scores are bounded (a softcap's tanh, variant.cuh) and the max stays 0: no max,
 // no rescale (alpha = 1), the weights exp2(s * exp_scale) as they are. A template argument, as
 // the kernels are compiled per softcap kind (Softcap, variant.cuh): a branch on it in the tile
-// loop cost the prefill 3-8% (lab/NOTES.md).
+// loop cost the prefill 3-8% (benchmarks/results/decisions.md, "Softcap").
 template <int kBlocksN, bool kFixedMax, typename Score>
 __device__ __forceinline__ float online_softmax_row(Score score, float& row_max, float& row_sum,
                                                     float exp_scale) {

@@ -28,7 +28,7 @@ namespace astr::kernels {
 //                        consumers taking turns (prefill_warp_specialized_kernel.cuh; sm_90a
 //                        builds; head dims of whole 32-element halves of column blocks)
 // Where both prefills on wgmma could run, each head dim compiles the one measured faster
-// (plan.cpp has the numbers): the plan runs the compiled one.
+// (benchmarks/results/decisions.md, "Prefill: which kernel runs"): the plan runs the compiled one.
 struct HeadDimForms {
   int head_dim;
   bool decode_block_pairs;

@@ -5,11 +5,9 @@
 // One block per output row (token, q head). Thread (group g, column c) owns 4 dims and the splits
 // g, g + kGroups, ...: it issues all loads of a round (kMergeRound splits) before using any, keeps
 // its own softmax state, and the groups combine through shared memory. So a row's splits are read
-// in parallel by the whole block in one or a few round trips.
-//
-// Measured on H200 (torch profiler, L2 flushed before each call, B=1 L=32768 Hq=32, 32 splits):
-// 1.9 us; the previous form (one thread per 4 dims walking every split: 4 blocks in all) took
-// 8.1 us. Decode B=1 L=32768 as a whole: 58.4 -> 52.2 us.
+// in parallel by the whole block in one or a few round trips, where a thread per 4 dims walking
+// every split left the merge bound by parallelism (benchmarks/results/decisions.md, "Decode: the
+// merge kernel").
 #pragma once
 
 #include <cuda_runtime.h>

@@ -5,10 +5,9 @@
 // positions of each per warp, page ids two tiles ahead from a ring in shared memory) streams a
 // sequence's K/V at the rate of the best bare read of a shuffled page pool, but a grid of more
 // than one wave of such blocks loses ~4% to block starts and ends: each block waits for its page
-// ids, query and first tile before its stream starts, and drains its pipeline before its epilogue
-// (lab/NOTES.md, "Where the remaining gap is"). Here the block's tiles form one stream over
-// all of its items: virtual tile g is tile t of item k, in stage g % kStages and page-id ring slot
-// g % kPageIdSlots, and three cursors walk it:
+// ids, query and first tile before its stream starts, and drains its pipeline before its epilogue.
+// Here the block's tiles form one stream over all of its items: virtual tile g is tile t of item
+// k, in stage g % kStages and page-id ring slot g % kPageIdSlots, and three cursors walk it:
 //
 //   consume  the tile the warps compute on (step g)
 //   issue    the tile whose copy starts at step g (g + 1), with the query of its item when it is
@@ -23,13 +22,12 @@
 // Items: item i = (sequence, kv head) i / row tiles, row tile i % row tiles. Block b starts with
 // item b and claims each further item from a counter (zero at launch) when its ids cursor is 3
 // tiles from the end of its current item. The items then run in index order, as a grid of
-// one-item blocks would start them, and a block on a slow SM or with long sequences takes fewer.
-// A fixed share per block (b, b + grid, ...) ran ragged batches 3-13% slower than the 4-warp
-// blocks the hardware hands out, and claiming a whole item ahead 3-9% slower; this form is 3-11%
-// faster (lab/results/decode_persistent_NVIDIA-H200_2026-12-03.md). A claim is stored, and its
-// length copied, a step after its atomic, and has landed two steps later, when the ids cursor
-// needs it; where items are shorter than 3 tiles the cursor waits for it. One split; the grid is
-// the SM count (at most the item count).
+// one-item blocks would start them, and a block on a slow SM or with long sequences takes fewer
+// (a fixed share per block, or a claim a whole item ahead, ran ragged batches slower than the
+// 4-warp blocks: benchmarks/results/decisions.md, "Decode: the persistent decode's claims").
+// A claim is stored, and its length copied, a step after its atomic, and has landed two steps
+// later, when the ids cursor needs it; where items are shorter than 3 tiles the cursor waits for
+// it. One split; the grid is the SM count (at most the item count).
 //
 // The counter is zeroed by a one-thread kernel launched just before. On sm_90 the decode is that
 // kernel's programmatic dependent launch (early_start): its blocks are scheduled as soon as the
@@ -216,9 +214,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto valid = [](const ItemTileCursor& c) { return c.tiles > 0; };
   // The ids cursor leads: it claims the next item kClaimLead tiles before the end of its item (at
   // its first tile if it has fewer), late enough that a block does not hold an item it cannot
-  // start soon (claims on entering an item ran ragged batches 5-9% slower than the 4-warp
-  // blocks), early enough that the claim has landed when the cursor gets there; and it makes the
-  // next item known before it enters it.
+  // start soon (claims on entering an item ran ragged batches slower than the 4-warp blocks),
+  // early enough that the claim has landed when the cursor gets there; and it makes the next item
+  // known before it enters it.
   constexpr int kClaimLead = 3;
   auto claims_here = [](const ItemTileCursor& c) {
     return c.tiles > 0 && c.t == max(0, c.tiles - kClaimLead);

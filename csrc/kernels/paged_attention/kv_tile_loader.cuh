@@ -19,9 +19,8 @@
 // A page id outside [0, num_pages) is never followed: every kernel checks the ids of its kv range
 // once (prescan_page_ids, each id read by one thread) and sets the loader's `poisoned` flag (the
 // kernel writes the rows of that sequence as NaN, variant.cuh); a copy only clamps its id into
-// the pool. So no block-table value makes a copy read outside the pools. Checked per copy
-// instead, the compare cost the prefill 5-7% (more instructions, and the copy waiting on it) and
-// the decode up to 5% (lab/NOTES.md).
+// the pool. So no block-table value makes a copy read outside the pools; checked per copy, the
+// compare cost the prefill 5-7% (benchmarks/results/decisions.md, "Page ids checked once").
 //
 // 16-byte cp.async per thread, kChunksPerRow threads per row; per row a thread computes only
 // page * page stride + slot * slot stride (32-bit multiplies, byte strides checked by the
@@ -30,12 +29,8 @@
 // kv_end are zero-filled (their scores are masked, but P V multiplies them by 0 and 0 * NaN would
 // be NaN). Shared rows follow the traits' layout: Traits::kWgmmaTiles (swizzled_128b_tile_offset,
 // for wgmma), else Traits::kSwizzle and Traits::kRowStride (tile_offset); both in
-// device_primitives.cuh.
-//
-// Measured alternatives (lab/NOTES.md): sm_90 bulk copies (cp.async.bulk, one per row,
-// completing on an mbarrier per stage) ran decode at the same speed and prefill 4-27% slower; TMA
-// boxes of whole pages (128-byte swizzled, 2-8 KB, on an mbarrier per stage) ran decode 0.91-0.995x
-// as fast (H200, lab/NOTES.md).
+// device_primitives.cuh. Bulk copies and TMA boxes measured no faster here (decisions.md, "K/V
+// copies"); the warp-specialised prefill copies by TMA boxes instead (pool_tensor_map.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -216,9 +211,9 @@ struct KVTileLoader {
   // The row ring (a warp-specialised producer): instead of page ids, each row of a tile has its
   // K and V byte offsets from the head in shared memory (-1 past kv_end), computed once per row by
   // one thread, so that a copy costs a shared load and an add, not a page-id load, a clamp and
-  // two wide multiplies (per copy they made the producer issue-bound: the consumers stalled on
-  // its tiles, lab/NOTES.md). Ring: [slots][2][kTileN] int64, tile t in slot t % slots; a slot is
-  // rewritten two tiles later at the earliest, after the producer's barrier.
+  // two wide multiplies (per copy they made the producer too slow: the consumers stalled on its
+  // tiles). Ring: [slots][2][kTileN] int64, tile t in slot t % slots; a slot is rewritten two
+  // tiles later at the earliest, after the producer's barrier.
   //
   // This thread's row's page id, read a tile ahead (0 past lookup_end or for threads past kTileN).
   __device__ __forceinline__ int32_t read_row_page(int tile) const {

@@ -60,18 +60,10 @@ bool pairs_fit(const DecodeFootprint& footprint, const DeviceFacts& device) {
   return 2 * pairs_per_sm >= footprint.blocks_per_sm;
 }
 
-// Only pairs of splits merge in a cluster; larger clusters were measured slower (H200, bf16,
-// Hq=32 Hkv=8 D=128 page 16, lab/sweep_decode_splits.py, us in cluster vs with the merge
-// kernel): 2 splits 39.0 vs 40.4 at B=16 L=2048, 67.6 vs 69.6 at L=4096, 249 vs 251 at B=64
-// L=4096; 3, 4 or 8 splits were slower (B=16 L=2048: 47.6/51.9/63.0 vs 45.2/43.9/47.3; B=4 L=8192
-// with 8 splits: 56.6 vs 40.9), as larger clusters leave slots idle waiting for a whole cluster to
-// fit. So the decode kernel's epilogue is written for pairs (PagedAttentionTraits::kClusterSplits).
-//
-// Block pairs against clusters of 2 on the H200 (bf16, Hq=32, D=128, page 16, us per call, two
-// runs of lab/decode_pairs_ab.py, lab/results/decode_block_pairs_NVIDIA-H200_2026-12-03.md):
-// B=16 L=2048 37.7 / 36.9 vs 38.0 / 37.8, B=12 L=2048 31.2 / 30.9 vs 32.1 / 31.7, B=12 L=4096
-// 55.0 / 54.3 vs 55.6 / 55.2; from L=4096 at B=16 within 0.8% either way. The cluster's launch
-// and its barrier cost more than sharing one SM's issue slots: pairs first, where they run.
+// Only pairs of splits merge in a cluster (PagedAttentionTraits::kClusterSplits): larger clusters
+// leave slots idle waiting for a whole cluster to fit. Block pairs go first where they run: a
+// cluster's launch and barrier cost more than sharing one SM's issue slots (measurements:
+// benchmarks/results/decisions.md, "Decode: two splits merge as a pair" and "block pairs").
 bool cluster_runs(const DeviceFacts& device) { return device.arch >= 90; }
 
 size_t split_workspace_floats(const DecodeShape& shape, int num_splits) {
@@ -340,19 +332,11 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
   return plan;
 }
 
-// Where the wgmma prefills beat the mma.sync one (H200, causal bf16, bench_attention.py --quick,
-// TFLOP/s). The first wgmma kernel (every warp loads and multiplies): at D = 128 on every row,
-// 1.06-1.52x (B=2 S=4096 GQA 343 vs 300, ragged 349 vs 288, B=1 S=1024 207 vs 136); at D = 64 not
-// (B=4 S=4096: 235 vs 252). The warp-specialised one (a producer warpgroup, two consumers taking
-// turns): at D = 64 1.18-1.20x the mma.sync kernel (B=4 S=4096 309 vs 262); at D = 128 0.91-0.96x
-// the first wgmma kernel (B=2 S=4096 GQA 343 vs 371, ragged 346 vs 378), and still 0.92-0.95x with
-// 96-wide tiles and its producer's row ring (B=2 S=4096 351 vs 371, ragged 353 vs 377;
-// lab/NOTES.md). At D = 96 (Phi-3's; rows of one and a half column blocks) the first wgmma kernel
-// ran 1.07-1.13x the mma.sync one (lab/prefill_kernel_ab.py --dims 96, one process: B=1 S=4096
-// Hkv=32 283 vs 256, B=1 S=8192 314 vs 284, ragged 287 vs 257, non-causal 312 vs 276). With TMA
-// boxes (pool_tensor_map.h) the warp-specialised kernel takes 128-wide tiles at D = 96 and 128;
-// config.h compiles both wgmma kernels there and the plan runs the warp-specialised one, the first
-// with prefill_kernel=wgmma (not yet measured against each other: lab/NOTES.md, version 24).
+// The prefill kernel: on sm_90 (sm_90a code) the warp-specialised one wherever config.h compiles
+// it, else the first wgmma kernel, else mma.sync. With TMA boxes (pool_tensor_map.h) the
+// warp-specialised kernel is the fastest at every head dim it compiles; at D = 96 and 128 the first
+// wgmma kernel is compiled too and runs with prefill_kernel=wgmma (decisions.md, "Prefill: which
+// kernel runs at each head dim").
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes,
                                const PrefillKvFootprint& kv) {

@@ -8,23 +8,7 @@
 // 8 warps per SM (kEightWarps); or one block per SM taking the items in turn (kPersistent).
 //
 // How many splits: shapes only, never seq_lens' values: one launch configuration (and one captured
-// CUDA graph) serves every length up to the block table's width. The rule: as many splits as fit
-// the whole grid into one wave of resident blocks, at least 1, at most one per kv tile and 256. A
-// second wave costs more than the unused slots of one (its blocks start cold, and every extra split
-// adds a partial state to merge): measured on the H200 (132 SMs x 2 blocks, bf16, Hq=32, Hkv=8,
-// D=128, page 16, lab/sweep_decode_splits.py, us; the earlier rule, waves x (tiles per split + 1),
-// chose more splits and a merge kernel wherever a few waves of short splits looked cheaper):
-//
-//   B, L      pairs  this rule           earlier rule  other counts
-//   12, 2048     96  2 (cluster): 32.1   8: 39.0       1: 39.2
-//   12, 4096     96  2 (cluster): 56.3   8: 61.4       4: 62.9
-//   24, 2048    192  1: 54.8             4: 62.0       2 (cluster): 61.0
-//   8, 4096      64  4: 41.1             4             3: 41.6, 2 (cluster): 43.1
-//   10, 8192     80  3: 87.5             3             6: 89.6, 2 (cluster): 92.3
-//   16, 2048    128  2 (cluster): 38.5   2             1: 41.4, 4: 44.6
-//
-// pairs = (sequence, kv head) pairs. From B = 33 up (Hkv = 8) one split, as before (B=64 L=4096,
-// an earlier sweep: 1 split 243.6 us, 2 splits 249.1).
+// CUDA graph) serves every length up to the block table's width.
 #pragma once
 
 #include <algorithm>
@@ -157,11 +141,14 @@ const char* prefill_kernel_name(PrefillKernel kernel);
 const char* fp8_prefill_name(Fp8Prefill mode);
 const char* prefill_loads_name(PrefillLoads loads);
 
-// ---- The rules, with their measurements --------------------------------------------------------
+// ---- The rules (their measurements: benchmarks/results/decisions.md) ---------------------------
 
-// blocks_per_split: the decode blocks that one split of every (sequence, kv head, row tile)
-// takes; resident_slots: decode blocks the GPU runs at once (SMs x blocks per SM); max_tiles: kv
-// tiles of the longest sequence the block table can hold.
+// As many splits as fit the whole grid into one wave of resident blocks, at least 1, at most one
+// per kv tile and 256: a second wave's blocks start cold and every split adds a state to merge
+// (decisions.md, "Decode: the split count fills one wave"). blocks_per_split: the decode blocks
+// that one split of every (sequence, kv head, row tile) takes; resident_slots: decode blocks the
+// GPU runs at once (SMs x blocks per SM); max_tiles: kv tiles of the longest sequence the block
+// table can hold.
 constexpr int decode_splits_filling_one_wave(int64_t blocks_per_split, int64_t resident_slots,
                                              int64_t max_tiles) {
   constexpr int64_t kMaxSplits = 256;
@@ -171,10 +158,9 @@ constexpr int decode_splits_filling_one_wave(int64_t blocks_per_split, int64_t r
 }
 
 // Whether block pairs (the 2 splits of a (sequence, kv head, row tile) as one block on one SM, see
-// PagedAttentionTraits::kGroups) cover more than 2/3 of the SMs. Where they do not, 2 single blocks
-// per pair spread over twice as many SMs stream faster (H200, B=8 L=32768 with 2 splits forced, 64
-// pair blocks: 350 us as pairs, 278 us as 2 blocks and the merge kernel; one SM reads at most ~48
-// GB/s). The one-wave rule above gives 2 splits only to grids of more than a third of the slots,
+// PagedAttentionTraits::kGroups) cover more than 2/3 of the SMs; where they do not, 2 single blocks
+// per pair spread over twice as many SMs stream faster (decisions.md, "Decode: block pairs before
+// clusters"). The one-wave rule gives 2 splits only to grids of more than a third of the slots,
 // which with 2 slots per SM is more than 2/3 of the SMs: always covered; forced counts need not be.
 constexpr bool decode_block_pairs_fill_gpu(int64_t pair_blocks, int64_t num_sms) {
   return pair_blocks > 0 && num_sms > 0 && 3 * pair_blocks > 2 * num_sms;
@@ -182,59 +168,18 @@ constexpr bool decode_block_pairs_fill_gpu(int64_t pair_blocks, int64_t num_sms)
 
 // Whether one split as eight-warp blocks (one block of 8 warps per (sequence, kv head, row tile),
 // one per SM, page ids from a ring in shared memory; PagedAttentionTraits' kWarps) replaces the 2
-// splits of block pairs, on the same grid. max_kv_len: the block table's width in positions. H200,
-// bf16, Hq=32, D=128, shuffled pages, kernel us (profiler) eight warps / block pairs, one column
-// per process of lab/decode_pairs_ab.py, the last one this tree
-// (lab/results/decode_eight_warp_blocks_NVIDIA-H200_2026-12-03.md):
-//
-//   B, Hkv, L      page 16                                           page 1       page 256
-//   16, 8, 2048    33.6/34.2   34.1/34.6   34.7/35.0   33.3/34.1     34.0/34.5    33.3/34.1
-//   16, 8, 4096    63.9/65.0   62.7/63.5   63.7/64.6   62.1/63.4
-//   16, 8, 8192    122.9/124.8 122.3/122.8 123.1/124.8 122.4/124.1   125.4/125.9  122.0/122.2
-//   16, 8, 16384   241.6/242.8 240.9/242.5
-//   16, 8, 32768   481.7/482.1 468.8/466.7 482.3/477.5 478.0/477.6   489.6/488.1  477.7/480.3
-//   12, 8, 4096    49.9/50.9   48.7/50.0
-//   4, 32, 4096    63.8/64.0   62.3/62.6   62.7/62.0
-//   32, 4, 2048    34.9/34.5
-//
-// 0.5-2.6% faster up to 16384 positions (Hkv = 32 and group 8 within +-1.2%); at 32768 level on
-// average (-1.0% to +0.5%), where the block pairs stay.
+// splits of block pairs, on the same grid: faster up to 16384 positions, level beyond, where the
+// pairs stay (decisions.md, "Decode: eight-warp blocks"). max_kv_len: the block table's width in
+// positions.
 constexpr bool decode_eight_warp_blocks_pay(int64_t max_kv_len) {
   return max_kv_len > 0 && max_kv_len <= 16384;
 }
 
 // Whether the persistent eight-warp decode (one block per SM taking the (sequence, kv head, row
-// tile) items in turn, claimed from a counter, paged_decode_persistent_kernel.cuh) replaces one
-// split of 4-warp blocks (two per SM, handed out by the hardware). With n = ceil(items / SMs)
-// rounds of one item per SM: at 3 and from 5 rounds up. At odd n the 4-warp grid's last wave
-// leaves half of its slots empty and the persistent decode is 4-18% faster on uniform lengths; at
-// 6 and 8 rounds the two are level on uniform lengths (within 0.5%); on ragged lengths (random
-// from 1 to 2 L - 1) the persistent decode is 3-11% faster from B=32 up, claiming as it goes
-// where the hardware's blocks wait for a slot. At 2 and 4 rounds the 4-warp blocks are faster on
-// uniform lengths (B=24: 95.9 vs 108.4 us, B=56: 213.5 vs 227.7). H200 (132 SMs), bf16, Hq=32,
-// D=128, page 16, shuffled pages, kernel us (profiler; the persistent column includes the 0.7-0.8
-// us fill of its counter) persistent / 4-warp / SDPA cuDNN, lab/decode_pairs_ab.py
-// (lab/results/decode_persistent_NVIDIA-H200_2026-12-03.md):
-//
-//   B, L, Hkv      items  n  uniform                  ragged (persistent / 4-warp)
-//   24, 4096, 8     192   2  108.4 / 95.9 / 96.4      161.1 / 158.5
-//   32, 4096, 8     256   2  122.8 / 120.4 / 120.8    138.3 / 155.0
-//   40, 4096, 8     320   3  167.5 / 195.1 / 168.9    216.7 / 223.8
-//   48, 4096, 8     384   3  182.8 / 198.3 / 193.6    211.8 / 229.8
-//   48, 2048, 8     384   3   92.7 / 102.2 / 96.7      64.0 / 63.3 (L=1024)
-//   12, 4096, 32    384   3  181.4 / 197.3 / 187.4
-//   56, 4096, 8     448   4  227.7 / 213.5 / 212.7
-//   64, 4096, 8     512   4  237.9 / 238.5 / 237.4    281.0 / 296.1
-//   64, 8192, 8     512   4  471.9 / 473.7 / 470.3
-//   80, 4096, 8     640   5  297.8 / 316.1 / 306.6    339.4 / 360.0
-//   20, 4096, 32    640   5  297.6 / 315.9 / 306.0
-//   96, 4096, 8     768   6  355.4 / 354.8 / 352.6    405.1 / 428.4
-//   112, 4096, 8    896   7  413.5 / 436.2 / 430.7    417.9 / 443.9
-//   128, 2048, 8   1024   8  239.6 / 240.4 / 237.6    252.2 / 259.7
-//   32, 4096, 32   1024   8  470.4 / 468.7 / 464.6
-//
-// At 4 rounds B=64 is level and gains on ragged lengths, but B=56 loses: 4 rounds stay on 4-warp
-// blocks, as 2 do.
+// tile) items in turn, claimed from a counter, decode_persistent_kernel.cuh) replaces one split of
+// 4-warp blocks (two per SM, handed out by the hardware): with n = ceil(items / SMs) rounds of one
+// item per SM, at 3 and from 5 rounds up. At odd n the 4-warp grid's last wave runs half empty; at
+// 2 and 4 rounds the 4-warp blocks won (decisions.md, "Decode: the persistent decode").
 constexpr bool decode_persistent_blocks_pay(int64_t num_items, int64_t num_sms) {
   if (num_sms <= 0 || num_items <= num_sms) return false;
   const int64_t rounds = (num_items + num_sms - 1) / num_sms;
@@ -243,20 +188,10 @@ constexpr bool decode_persistent_blocks_pay(int64_t num_items, int64_t num_sms) 
 
 // Whether an FP8 prefill dequantizes the pages first: while the scratch that takes stays within
 // kFp8ScratchLimitBytes; beyond it a kernel reads the bytes (the planned one if it can,
-// prefill_reads_fp8, else the mma.sync prefill). The dequantizing pass is cheap (it reads each
-// page once), and the kernel then runs at the 16-bit speed; reading the bytes, every block
-// converts each tile it reads (a tile is read by every row tile of its sequence), which costs the
-// wgmma prefill about 10%. H200, bf16 q, Hq=32, Hkv=8, D=128, page 16, causal, e4m3 / bf16
-// prefill time in one process (benchmarks/bench_fp8.py, lab/results/fp8_prefill_*):
-//
-//   call                            dequantized first   in the kernel
-//   B=1 S=8192                      1.015               1.113
-//   ragged 8 with cached prefixes   1.037               1.107
-//
-// But the scratch is num_seqs x block-table width pages of q's dtype for K and V: a batch whose
-// block table is padded to a long maximum length would allocate gigabytes for one call (64
-// sequences x 2048 pages of 16 at Hkv = 8, D = 128: 8.6 GB), so above the limit the kernel reads
-// the bytes.
+// prefill_reads_fp8, else the mma.sync prefill). The pass reads each page once and the kernel then
+// runs at the 16-bit speed, where reading the bytes every block converts each tile it reads (about
+// 10% slower); but the scratch is num_seqs x block-table width pages for K and V, gigabytes for a
+// table padded to a long maximum length (decisions.md, "FP8 prefill: dequantize the pages first").
 inline constexpr int64_t kFp8ScratchLimitBytes = int64_t{256} << 20;
 constexpr bool prefill_dequantizes_fp8_first(int64_t fp8_scratch_bytes) {
   return fp8_scratch_bytes <= kFp8ScratchLimitBytes;
@@ -264,15 +199,10 @@ constexpr bool prefill_dequantizes_fp8_first(int64_t fp8_scratch_bytes) {
 
 // How many (sequence, kv head) pairs a prefill's panel takes (PrefillPlan::panel_pairs; the plan
 // makes a panel of all pairs or more one panel): as many as keep the K/V they read within half the
-// L2 cache, at least 1; 0 (one panel) when either size is unknown. Blocks start in the order of
-// their index; one wave of them (an SM's worth each) covers a few row tiles, and over all pairs
-// the K/V those read is every pair's: B=1 S=16384, Hkv=8, D=128 bf16 reads 64 MB, the ragged
-// benchmark batch (8 sequences up to 5.6K positions) 138 MB, more than the H100's and H200's 50
-// MB, so a pair's tiles left L2 before its next row tile read them again. Half: the L2 is two
-// partitions, and what a panel reads is not all that passes through it (Q, the output).
-// Measured on the H100 (lab/prefill_kernel_ab.py, one process, TFLOPs, panels of all pairs ->
-// this rule): the ragged batch 381 -> 475 at D=128 and 341 -> 377 at D=96; square rows within
-// 2% (B=1 S=16384 490 -> 481). lab/NOTES.md, version 28.
+// L2 cache, at least 1; 0 (one panel) when either size is unknown. Without panels one wave of
+// blocks reads every pair's K/V, more than the L2 holds on long or ragged batches, so a pair's
+// tiles leave L2 before its next row tile reads them. Half: the L2 is two partitions, and Q and the
+// output pass through it too (decisions.md, "Prefill: blocks start in L2 panels").
 constexpr int64_t prefill_panel_pairs(int64_t kv_bytes_per_pair, int64_t l2_cache_bytes) {
   if (kv_bytes_per_pair <= 0 || l2_cache_bytes <= 0) return 0;
   return std::max<int64_t>(l2_cache_bytes / 2 / kv_bytes_per_pair, 1);

@@ -3,7 +3,7 @@
 // which completes on an mbarrier, instead of a thread per 16 bytes computing addresses and issuing
 // cp.async (kv_tile_loader.cuh). The warp-specialised prefill's producer uses them for its tiles
 // (prefill_warp_specialized_kernel.cuh): the copies' address arithmetic was most of its
-// instructions (lab/NOTES.md, version 22).
+// instructions.
 //
 // A map describes the whole pool: dims (64-column blocks of D, and the pool's slot, head and page
 // dims ordered by their strides, as the driver expects increasing strides), boxes of 64 columns x

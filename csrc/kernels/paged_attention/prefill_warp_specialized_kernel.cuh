@@ -58,11 +58,9 @@ struct PrefillWarpSpecializedTraits {
   static constexpr int kBlockRows = kConsumers * 64;
   // kv positions per tile (S's N): the O accumulators (D / 2 registers), one tile's scores
   // (kTileN / 2) and the previous tile's P (kTileN / 4) live at once under the consumers' cap.
-  // Gathering at D = 128 (the producer at 56 registers, the consumers at 224): against the first
-  // wgmma kernel, 80-wide tiles ran 0.91-0.96x; 96-wide ones with 32 / 232 registers and no
-  // spills 0.82-0.90x, and with the row ring below 0.92-0.95x; 128-wide ones at 32 / 232
-  // 0.89-0.97x (lab/NOTES.md, versions 21 and 22). With TMA boxes the producer needs few
-  // registers, so the consumers get 240 and D = 128 takes 128-wide tiles.
+  // Gathering, the producer's address arithmetic needs registers, and D = 128 fits 80-wide tiles;
+  // with TMA boxes the producer needs few, so the consumers get 240 and D = 128 takes 128-wide
+  // tiles (the widths measured: benchmarks/results/decisions.md, "Prefill: the warp-specialised").
   // D = 96 (rows of 12 chunks) gathers tiles of a multiple of 32 rows (128 threads, whole copies
   // each), and has registers for 128-wide tiles either way.
   static constexpr int kTileN = kHeadDim == 64 || kHeadDim == 96 ? 128

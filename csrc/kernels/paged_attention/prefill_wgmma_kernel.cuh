@@ -15,10 +15,8 @@
 // The multiplies run asynchronously, so the loop is a software pipeline: the scores of tile t + 1
 // are multiplied while the threads run the softmax of tile t, then O += P V of tile t (3 stages:
 // tile t in use, t + 1 landed, t + 2 in flight). That needs two score tiles in registers next to
-// O; with 96-wide kv tiles they fit in 254 registers without spills (128-wide: 192 bytes of
-// spills). H200, causal bf16, bench_attention.py --quick, geomean over the D = 128 rows against
-// the mma.sync kernel: no overlap with 128-wide tiles and 2 stages 1.147x, overlap with 128-wide
-// tiles 1.136x, overlap with 96-wide tiles 1.183x (this kernel).
+// O; with 96-wide kv tiles they fit in 254 registers without spills (128-wide spilled and ran
+// slower: benchmarks/results/decisions.md, "Prefill: the first wgmma kernel").
 //
 // An FP8 cache (KV a byte) is read as it is stored: the copies bring the tile's bytes into
 // kStages stages of their own, and after the barrier the block converts them into f16 tiles in
@@ -31,7 +29,7 @@
 // the copies of tile t + 3 are in flight for one iteration, as the 16-bit tiles' are. Every block
 // converts each tile it reads, so this runs at about 0.9x the 16-bit speed; the plan runs it only
 // where dequantizing the pages first (dequantize_pages.cu) would take too much scratch memory
-// (plan.h: prefill_dequantizes_fp8_first).
+// (plan.h: prefill_dequantizes_fp8_first; decisions.md, "FP8 prefill").
 #pragma once
 
 #include <cuda_runtime.h>
@@ -67,8 +65,8 @@ struct PrefillWgmmaTraits {
   static constexpr int kPaddedHeadDim = (kHeadDim + 63) / 64 * 64;
   // kv positions per tile (S's N), see top; D = 64 multiplies half as much per tile, so it takes
   // wider tiles to carry each tile's fixed work (the barrier, the copies' issue). D = 96: 12
-  // chunks a row, so the 256 threads copy tiles of a multiple of 64 rows; 128-wide (52-72 bytes
-  // of spills) ran 1.04-1.08x the speed of 64-wide (none) (H200, lab/NOTES.md version 23).
+  // chunks a row, so the 256 threads copy tiles of a multiple of 64 rows; 128-wide ones ran faster
+  // than 64-wide despite 52-72 bytes of spills.
   static constexpr int kTileN = kHeadDim == 64 || kHeadDim == 96 ? 128 : 96;
   // 16-bit tiles: tile t in use, t + 1 landed, t + 2 in flight. FP8 bytes: V of tile t + 1 and
   // tile t + 2 being converted, t + 3 in flight.
@@ -276,7 +274,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     issue_output_update<M, D, kTileN>(o_acc, p_frag, v_rows);
     if constexpr (kFp8) {
       // Under the multiplies (other slots than theirs); the next iteration's barrier publishes
-      // them. Before the softmax they delayed it: 1.23x the bf16 prefill's time (lab/NOTES.md).
+      // them. Before the softmax they delayed it (decisions.md, "FP8 prefill in the wgmma kernel").
       if (tile + 2 < num_tiles) convert(tile + 2, false);
       if (has_next) convert(tile + 1, true);
     }

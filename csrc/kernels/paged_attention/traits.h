@@ -10,32 +10,20 @@
 // Decode (one token per sequence): a block owns 16 rows (one GQA group, padded to 16; groups larger
 // than 16 take several row tiles) and its 4 warps split each K/V tile by kv position, merging their
 // softmax states through shared memory at the end. The kernel is memory-bound, so the rows padding
-// a group to 16 cost nothing; what matters is how the K/V stream is requested: enough bytes in
-// flight per SM (a group has up to kStages tiles requested; one block of 4 warps per SM, 64 KB,
-// streams 8-12% slower than two groups, 128 KB), the pipeline depth (see kStages), and rows that
-// land aligned: decode tiles are swizzled, not padded (see tile_offset in
-// common/device_primitives.cuh; padded 272-byte rows read the stream 7-8% slower, and swizzling
-// took B=64 L=4096 from 3.96 to 4.27 TB/s, H200, lab/NOTES.md). Two splits of a (sequence, kv head)
-// can share one block as two such groups of warps (kGroups below), merged in its shared memory.
-// SDPA cuDNN's shape (128-position tiles, one block of 4 warps per SM, no split at B >= 16)
-// measured 0.92-0.985x of these 64-position tiles in this kernel
-// (lab/NOTES.md). One group of 8 warps over
-// 128-position tiles (kWarps below), one block per SM with the page ids two tiles ahead in shared
-// memory, is what runs at one wave in place of the block pairs up to 16384 positions
-// (plan.h has the rule and its measurements).
+// a group to 16 cost nothing; what matters is how the K/V stream is requested: two groups of warps
+// per SM (two blocks, or one block pair: kGroups), up to kStages tiles in flight per group, and
+// rows that land aligned (swizzled, not padded: tile_offset in common/device_primitives.cuh). One
+// group of 8 warps over 128-position tiles (kWarps), one block per SM with the page ids two tiles
+// ahead in shared memory, runs at one wave in place of the block pairs up to 16384 positions
+// (plan.h).
 //
 // Prefill: warps split the rows (kRowBlocksPerWarp blocks of 16 rows each) and every warp reads
 // the whole K/V tile. Two 16-row blocks per warp halve the shared-memory traffic per mma (each K/V
-// fragment loaded by ldmatrix feeds two mma), which is the limit at one block of 16.
-// D = 128 uses 128x64 tiles: 68 bytes of spills at the 255-register cap (2 blocks/SM), measured
-// faster than 128x32 without spills (H200, causal bf16, benchmarks/bench_attention.py: B=2 S=4096
-// GQA 272 -> 281 TFLOP/s, ragged 258 -> 272; with the folded scale of
-// tile_math.cuh, 297 and 283). Rejected: Q fragments kept in registers (spills ~190
-// bytes), an XOR swizzle instead of row padding (one address register per fragment, spills;
-// measured again with the decode swizzle: 298 -> 295 TFLOP/s at B=2 S=4096, 96 bytes of spills).
-// On sm_90 prefill at D = 64, 128 and 256 runs prefill_wgmma_kernel.cuh instead (a
-// warp-specialised kernel on Hopper's wgmma); these traits are its fallback, D = 96's kernel and
-// the sm_80 kernel.
+// fragment loaded by ldmatrix feeds two mma), which is the limit at one block of 16. D <= 128 takes
+// 128x64 tiles, faster than 128x32 despite 68 bytes of spills at the 255-register cap. These are
+// the mma.sync prefill's traits (sm_80, and wherever no wgmma prefill runs: plan.cpp). The shapes
+// measured, and the designs that lost: benchmarks/results/decisions.md ("Decode: tiles" and
+// "Prefill: mma.sync tiles").
 //
 // Head dims whose rows are not a power of two of 16-byte chunks (D = 96: 12) keep padded rows in
 // decode too (the swizzle permutes 8 chunks), and their copies and merges index (row, chunk)
@@ -85,13 +73,8 @@ struct PagedAttentionTraits {
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
   // Pipeline depth: 2 stages (the tile being waited for and the next one). Decode has room for 3
-  // or 4, and they were slower: at D = 128 3 stages ran 0.5-2.9% slower (H200, bf16, block pairs
-  // and single blocks alike), not by bytes in flight alone, as 3 blocks of 2 stages per SM
-  // request as many bytes as 2 blocks of 3 and were as fast as 2 blocks of 2
-  // (lab/NOTES.md); at D = 64 4 stages ran up to 3.5%
-  // slower than 2 at 3 blocks per SM, and 3 stages up to 2.5% slower at 4 blocks per SM
-  // (lab/NOTES.md). Prefill is compute-bound: double
-  // buffering.
+  // or 4, which measured slower at D = 64 and 128 (decisions.md, "Decode: tiles"). Prefill is
+  // compute-bound: double buffering.
   static constexpr int kStages = 2;
 
   // Q fragments kept in registers for the whole kv loop when they fit next to O and S.
@@ -116,11 +99,10 @@ struct PagedAttentionTraits {
   // 16 rows x D / 2 floats of output, then 16 maxima and 16 sums.
   static constexpr int kClusterSplits = 2;
   static constexpr int kIncomingBytes = kDecode ? (16 * kHeadDim / kClusterSplits + 32) * 4 : 0;
-  // Page ids from a ring in shared memory instead of registers (paged_kv_tile_loader.cuh): the
-  // eight-warp decode block. A single group per SM waits for its page ids where two groups hide
-  // that wait behind each other (the ring took one group of 4 warps 4.4-5.9% faster,
-  // lab/NOTES.md). The ring holds kPageIdSlots tiles
-  // of kTileN ids (one per row, at page size 1), after the V stages.
+  // Page ids from a ring in shared memory instead of registers (kv_tile_loader.cuh): the eight-warp
+  // decode block. A single group per SM waits for its page ids where two groups hide that wait
+  // behind each other. The ring holds kPageIdSlots tiles of kTileN ids (one per row, at page size
+  // 1), after the V stages.
   static constexpr bool kPageIdRing = kDecode && kWarps == 8;
   static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
   static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
@@ -141,9 +123,7 @@ struct PagedAttentionTraits {
   // Resident decode blocks per SM (single blocks), which the split rule and the block pairs count
   // on: 4 at D = 64, 2 at D = 96 and 128, 1 at D = 256; 1 eight-warp block. A block reserves just
   // over 1 / (n + 1) of an H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so
-  // that no more than n fit: at D = 128 3 blocks of 2 stages measured the same as 2 within noise
-  // (same results file), and at D = 64 4 blocks fill one wave where 3 did not (B=64 Hkv=8: 512
-  // blocks, 528 slots; 1.2x).
+  // that no more than n fit (decisions.md, "Decode residency per head dim").
   static constexpr int kDecodeBlocksPerSm =
       kWarps == 8 ? 1 : (kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 2 : 1));
   static constexpr int kShareOfOneBlockMoreBytes =
@@ -160,7 +140,7 @@ struct PagedAttentionTraits {
   // The kernel's launch bounds: where n decode blocks of kThreads could not all have 255 registers
   // per thread in the 64 K of an SM (D = 64: 4 blocks, at most 128 each), the compiler is told to
   // keep that many resident. 0 leaves the bound out (D = 128 and 256, prefill, block pairs): even
-  // a bound it already meets changed ptxas' allocation at D = 128 (206 -> 212 registers).
+  // a bound the kernel already meets changed ptxas' register allocation at D = 128.
   static constexpr int kMinBlocksPerSm =
       kDecode && kGroups_ == 1 && kDecodeBlocksPerSm * kThreads * 255 > 64 * 1024
           ? kDecodeBlocksPerSm

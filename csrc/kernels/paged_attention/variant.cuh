@@ -157,13 +157,12 @@ __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
 // softcap * log2(e) is what folds into the exponent.
 //
 // A softcap bounds the scores, so the softmax needs no running max (Softcap::kFixedMax below,
-// online_softmax_row's kFixedMax): with the max held
-// at 0 the weights 2^(softcap * log2(e) * tanh) lie in [2^-c, 2^c] for c = softcap * log2(e), all
-// normal floats (and bf16s: P is bf16 for the P V multiply) while c <= kFixedMaxLimit, and a sum
-// of up to 2^40 of them stays far below float's 2^128. That saves the max, its shuffles and the
-// rescale of O per tile, which pays for the tanh (the prefill's softmax is issue-bound: a softcap
-// cost it 1.16-1.19x with the running max; lab/NOTES.md). Not with fp16 P (largest 65504), nor
-// with a larger softcap (softcap_kernel below).
+// online_softmax_row's kFixedMax): with the max held at 0 the weights 2^(softcap * log2(e) * tanh)
+// lie in [2^-c, 2^c] for c = softcap * log2(e), all normal floats (and bf16s: P is bf16 for the
+// P V multiply) while c <= kFixedMaxLimit, and a sum of up to 2^40 of them stays far below float's
+// 2^128. That saves the max, its shuffles and the rescale of O per tile, which pays for the tanh
+// in the issue-bound prefill softmax (benchmarks/results/decisions.md, "Softcap"). Not with fp16 P
+// (largest 65504), nor with a larger softcap (softcap_kernel below).
 constexpr float kFixedMaxLimit = 80.f;  // log2 of the largest weight: softcap <= 55.4
 struct ScoreTransform {
   float scale_log2;  // scale * log2(e) (times the kv head's k scale)
@@ -173,9 +172,9 @@ struct ScoreTransform {
   float cap_in;      // scale / softcap
 };
 // What a kernel is compiled for (a template argument, so that no softcap or fixed-max branch
-// sits in the tile loop of a call that does not need it: such branches cost the wgmma prefill
-// 3-8%, lab/NOTES.md): no softcap, a softcap with the running max, or with the max fixed at 0.
-// The launchers pick it from the call (softcap_kernel).
+// sits in the tile loop of a call that does not need it: such branches cost the prefill 3-8%): no
+// softcap, a softcap with the running max, or with the max fixed at 0. The launchers pick it from
+// the call (softcap_kernel).
 enum class Softcap : int { kOff, kRunningMax, kFixedMax };
 // fixed_max_allowed: the kernel family has a kFixedMax instantiation (the prefills; a decode
 // reads memory, and keeps the running max). bf16_weights: P is bf16 for the P V multiply.

@@ -1,9 +1,12 @@
-"""Probe: astrai's prefill kernels against each other and the peers, all timed interleaved in one
-loop per shape (harness.Timer.measure_interleaved), one library: each astrai column runs the cuda
+"""astrai's prefill kernels against each other and the peers (GPU), all timed interleaved in one
+loop per shape (harness.Runner.time_together), one library: each astrai column runs the cuda
 backend under its own kernel tuning (torch.ops.astr.set_kernel_tuning around the call), so two
-kernels of the same build compare without a second library.
+kernels or two rules of the same build compare without a second library. The plan's rules for
+the prefill (csrc/kernels/paged_attention/plan.h) are measured this way
+(benchmarks/results/decisions.md).
 
-    python3 lab/prefill_kernel_ab.py OUT.json [--tunings auto,prefill_kernel=wgmma] [--dims 128]
+    python3 benchmarks/bench_prefill_kernels.py OUT.json [--tunings auto,prefill_kernel=wgmma]
+        [--dims 128] [--peers flashinfer_fa3,sdpa_cudnn] [--repeats 20] [--quick]
     (a tuning of several keys joins them with "+": prefill_kernel=wgmma+fp8_prefill=in_kernel)
 
 Columns: astrai[<tuning>] for each tuning, flashinfer_fa3 (when importable), sdpa_cudnn. Rows:
@@ -18,8 +21,7 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as bench  # noqa: E402
 import harness  # noqa: E402
 import peers  # noqa: E402

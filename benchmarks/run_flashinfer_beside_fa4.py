@@ -1,11 +1,12 @@
-"""Runs benchmarks/bench_attention.py (same arguments) with FlashInfer and FlashAttention-4 in one
-process (issue 32's table). The FlashInfer wheel carried from ../shared/peers is trimmed: it leaves
-out FlashInfer's CuTe-DSL submodules, and `import flashinfer` loads them whenever the CUTLASS DSL
-(which FlashAttention-4 needs, scripts/flash_wheels.sh) is importable, so that import fails. Here
-FlashInfer is imported first with the DSL's site off sys.path; then the site is put back.
+"""Runs bench_attention.py (same arguments) with FlashInfer and FlashAttention-4 in one process
+(the prefill record's peers). The FlashInfer wheel carried from ../shared/peers is trimmed: it
+leaves out FlashInfer's CuTe-DSL submodules, and `import flashinfer` loads them whenever the CUTLASS
+DSL (which FlashAttention-4 needs, scripts/flash_wheels.sh) is importable, so that import fails.
+Here FlashInfer is imported first with the DSL's site off sys.path; then the site is put back.
 
     source scripts/flash_wheels.sh install   # FlashAttention-4's site on PYTHONPATH
-    python3 lab/bench_flashinfer_beside_fa4.py --quick --only prefill --peers ...
+    python3 benchmarks/run_flashinfer_beside_fa4.py --quick --only prefill \
+        --peers cuda_ps16,flashinfer_fa3,astrai_flash,sdpa_cudnn
 """
 
 import importlib
@@ -14,7 +15,7 @@ import runpy
 import sys
 
 FA4_SITE = "/tmp/astrai-flash-site"  # scripts/flash_wheels.sh's SITE
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 dsl_paths = [p for p in sys.path if p.startswith(FA4_SITE)]
 sys.path[:] = [p for p in sys.path if not p.startswith(FA4_SITE)]
@@ -25,7 +26,7 @@ importlib.invalidate_caches()
 import flash_attn.cute  # noqa: E402,F401  (fails here, not mid-benchmark, if the site is wrong)
 
 print(f"flashinfer {flashinfer.__version__} and flash_attn.cute imported", flush=True)
-script = os.path.join(ROOT, "benchmarks", "bench_attention.py")
+script = os.path.join(HERE, "bench_attention.py")
 sys.argv = [script] + sys.argv[1:]
 sys.path.insert(0, os.path.dirname(script))
 runpy.run_path(script, run_name="__main__")
