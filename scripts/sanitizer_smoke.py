@@ -34,12 +34,22 @@ PREFILL_KERNELS = (
 )
 
 
+# The order in which this script lists a call's arguments (decode a bool, softcap 0.0 off).
+CALL_ORDER = (
+    "q k_cache v_cache block_table seq_lens query_start_loc max_query_len decode attn_mask "
+    "is_causal scale window_left softcap sinks return_lse k_scale v_scale"
+).split()
+
+
 def paged_attention(tuning: str, *args):
-    """torch.ops.astr.cuda_paged_attention(*args) with the plan told `tuning`; the automatic
-    choice again afterwards."""
+    """torch.ops.astr.cuda_paged_attention over `args` (CALL_ORDER) with the plan told `tuning`;
+    the automatic choice again afterwards."""
+    call = dict(zip(CALL_ORDER, args))
+    call["mode"] = "decode" if call.pop("decode") else "prefill"
+    call["softcap"] = call.get("softcap") or None
     torch.ops.astr.set_kernel_tuning(tuning)
     try:
-        return torch.ops.astr.cuda_paged_attention(*args)[0]
+        return torch.ops.astr.cuda_paged_attention(call.pop("q"), **call)[0]
     finally:
         torch.ops.astr.set_kernel_tuning("")
 

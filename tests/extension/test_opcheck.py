@@ -279,20 +279,8 @@ def test_cuda_paged_attention_passes_opcheck(name, head_dim):
     """The cuda backend's op itself (CUDA kernel + Python fake), bf16."""
     args, kwargs = paged_samples(dtype=torch.bfloat16, device="cuda", head_dim=head_dim)[name]
     q = args[0]
-    step_args = (
-        q,
-        kwargs["k_cache"],
-        kwargs["v_cache"],
-        kwargs["block_table"],
-        kwargs["seq_lens"],
-        # decode needs no query_start_loc; the op still takes one (the composite passes seq_lens)
-        kwargs["query_start_loc"] if kwargs["query_start_loc"] is not None else kwargs["seq_lens"],
-        kwargs["max_query_len"],
-        kwargs["mode"] == "decode",
-        kwargs["attn_mask"],
-        kwargs["is_causal"],
-        head_dim**-0.5,
-    )
+    step_kwargs = {name: value for name, value in kwargs.items() if name not in ("k", "v")}
+    step_kwargs["scale"] = head_dim**-0.5
     torch.library.opcheck(
-        torch.ops.astr.cuda_paged_attention.default, step_args, test_utils=ALL_CHECKS
+        torch.ops.astr.cuda_paged_attention.default, (q,), step_kwargs, test_utils=ALL_CHECKS
     )

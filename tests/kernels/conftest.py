@@ -1,8 +1,51 @@
 """Fixtures shared by the kernel tests."""
 
 import pytest
+import torch
 
 from astrai.extension import ops  # loads the library, registers the ops
+
+
+def cuda_op(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    max_query_len,
+    decode,
+    attn_mask=None,
+    is_causal=True,
+    scale=None,
+    window_left=-1,
+    softcap=None,
+    sinks=None,
+    return_lse=False,
+    k_scale=None,
+    v_scale=None,
+):
+    """astr::cuda_paged_attention (the cuda backend's op, over attention's arguments) for a
+    paged call, positionally in the order the kernel tests build their calls; (out, lse)."""
+    return torch.ops.astr.cuda_paged_attention(
+        q,
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        max_query_len=max_query_len,
+        mode="decode" if decode else "prefill",
+        window_left=window_left,
+        softcap=softcap or None,
+        sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        return_lse=return_lse,
+    )
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from astrai.extension import ops
-from tests.kernels.conftest import PREFILL_KERNEL_TUNINGS
+from tests.kernels.conftest import PREFILL_KERNEL_TUNINGS, cuda_op
 from tests.kernels.test_cuda_kernels import (
     MERGE_TUNING,
     TOLERANCE,
@@ -33,7 +33,7 @@ pytestmark = [
 def run(batch, decode, block_table=None, seq_lens=None, query_start_loc=None, max_query_len=None):
     q = batch.q
     poison_next_allocation(q.shape, q.dtype)
-    out, _ = torch.ops.astr.cuda_paged_attention(
+    out, _ = cuda_op(
         q,
         batch.k_cache,
         batch.v_cache,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from astrai.extension import ops  # loads the library, registers the ops
+from tests.kernels.conftest import cuda_op
 from tests.reference import paged_reference
 
 cuda = pytest.mark.cuda
@@ -42,7 +43,7 @@ def attention_op(
 ):
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    out, _ = torch.ops.astr.cuda_paged_attention(
+    out, _ = cuda_op(
         q,
         k_cache,
         v_cache,
@@ -681,11 +682,11 @@ def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, tuning):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.ops.astr.cuda_paged_attention(*args)
+        cuda_op(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out, _ = torch.ops.astr.cuda_paged_attention(*args)
+        static_out, _ = cuda_op(*args)
     for lens in ([3, 1, 17, 100], [64, 65, 700, 1000], [2048, 129, 4000, 4096]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))
@@ -853,7 +854,7 @@ def small_batch(**overrides):
 
 
 def call(args):
-    return torch.ops.astr.cuda_paged_attention(
+    return cuda_op(
         args["q"],
         args["k_cache"],
         args["v_cache"],

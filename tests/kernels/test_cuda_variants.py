@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from tests.kernels.conftest import cuda_op
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
@@ -62,7 +63,7 @@ def run(
 ):
     """The cuda op over the batch's pools (an FP8 batch passes its scales), output poisoned."""
     poison_next_allocation(q.shape, q.dtype)
-    return torch.ops.astr.cuda_paged_attention(
+    return cuda_op(
         q,
         batch.k_cache,
         batch.v_cache,
@@ -269,11 +270,11 @@ def test_decode_variants_under_cuda_graph_replay_with_growing_lengths(splits, me
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        torch.ops.astr.cuda_paged_attention(*args)
+        cuda_op(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out, static_lse = torch.ops.astr.cuda_paged_attention(*args)
+        static_out, static_lse = cuda_op(*args)
     for lens in ([3, 1, 17, 100], [64, 600, 700, 1000], [2048, 129, 4000, 4096]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))
