@@ -39,6 +39,16 @@ std::optional<Backend> parse_backend(std::string_view name);
 // "cuda, flash, torch_native": for error messages.
 std::string valid_backend_names();
 
+// The variants a call may ask for (kernels/paged_attention/params.h defines them), and which
+// backends implement each; the capability rules pass a backend by for a variant it lacks. One
+// column per backend, in ASTR_BACKENDS' order:
+//   X(CallDescription field, the op's argument, cuda, flash, torch_native)
+#define ASTR_VARIANTS(X)                     \
+  X(window, "window_left", true, true, true) \
+  X(softcap, "softcap", true, true, true)    \
+  X(sinks, "sinks", true, false, true)       \
+  X(lse, "return_lse", true, true, true)
+
 enum class DeviceKind { kCPU, kCUDA, kOther };
 enum class MaskForm { kNone, kBoolean, kAdditive };
 // kTraining: fwd=None, no cache, may need gradients. kPrefill / kDecode: inference calls; with a
@@ -68,11 +78,10 @@ struct CallDescription {
   // Paged calls: why q or the cache pools cannot feed the cuda kernels' 16-byte copies and
   // 32-bit in-page offsets (see cuda_layout_problem in csrc/describe_call.cpp); "" when they can.
   std::string cuda_layout;
-  // Variants and the cache's element type (csrc/kernels/paged_attention/params.h defines them).
-  bool window = false;   // window_left >= 0
-  bool softcap = false;  // softcap > 0
-  bool sinks = false;
-  bool lse = false;                          // return_lse
+  // The variants asked for (ASTR_VARIANTS), and the cache's element type.
+#define ASTR_VARIANT_FIELD(field, argument, cuda, flash, torch_native) bool field = false;
+  ASTR_VARIANTS(ASTR_VARIANT_FIELD)
+#undef ASTR_VARIANT_FIELD
   ScalarType kv_dtype = ScalarType::kOther;  // of the cache (paged) or k (dense)
   bool kv_scales = false;                    // k_scale / v_scale given
 };

@@ -1,5 +1,6 @@
 #include "capability.h"
 
+#include <array>
 #include <string>
 
 #include "../kernels/paged_attention/config.h"
@@ -110,9 +111,6 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
         "causal with q_len != kv_len: flash aligns the mask bottom-right, astr dense calls "
         "align it top-left like SDPA");
   }
-  // flash-attn takes a window and a softcap (window_size, softcap) and returns the log-sum-exp;
-  // it has no sink logits.
-  if (call.sinks) reasons.push_back("sinks not supported (flash-attn has no sink logits)");
   if (call.has_kv_cache) {
     // FlashAttention-2's paged path reads the pool in 256-token blocks; 3 and 4 take any size.
     const bool fa2_rules = status.version <= 2;
@@ -156,12 +154,27 @@ constexpr Rules kRules[] = {
 #undef ASTR_BACKEND_RULES
 };
 
+// The variants `backend` lacks (call_description.h: ASTR_VARIANTS' columns).
+void check_variants(Backend backend, const CallDescription& call,
+                    std::vector<std::string>& reasons) {
+  static_assert(kNumBackends == 3, "ASTR_VARIANTS has one column per backend");
+#define ASTR_VARIANT_RULE(field, argument, cuda, flash, torch_native)                            \
+  if (call.field &&                                                                              \
+      !std::array<bool, kNumBackends>{cuda, flash, torch_native}[static_cast<int>(backend)]) {   \
+    reasons.push_back(std::string(argument) + " not supported by the " + backend_name(backend) + \
+                      " backend");                                                               \
+  }
+  ASTR_VARIANTS(ASTR_VARIANT_RULE)
+#undef ASTR_VARIANT_RULE
+}
+
 }  // namespace
 
 std::vector<std::string> rejection_reasons(Backend backend, const CallDescription& call,
                                            const BackendStatus& status, Checks checks) {
   std::vector<std::string> reasons;
   kRules[static_cast<int>(backend)](call, status, checks, reasons);
+  check_variants(backend, call, reasons);
   return reasons;
 }
 

@@ -51,17 +51,19 @@ std::string source_phrase(SelectionSource source) {
 struct DecisionKey {
   uint64_t shape = 0;
   uint64_t flags = 0;
+  uint64_t variants = 0;
   uint64_t generation = 0;
   std::string name;
   bool operator==(const DecisionKey& other) const {
-    return shape == other.shape && flags == other.flags && generation == other.generation &&
-           name == other.name;
+    return shape == other.shape && flags == other.flags && variants == other.variants &&
+           generation == other.generation && name == other.name;
   }
 };
 
 struct DecisionKeyHash {
   size_t operator()(const DecisionKey& key) const {
-    uint64_t h = key.shape * 0x9E3779B97F4A7C15ull ^ key.flags * 0xC2B2AE3D27D4EB4Full;
+    uint64_t h = key.shape * 0x9E3779B97F4A7C15ull ^ key.flags * 0xC2B2AE3D27D4EB4Full ^
+                 key.variants * 0x165667B19E3779F9ull;
     h ^= key.generation + (h << 6) + (h >> 2);
     return static_cast<size_t>(h ^ std::hash<std::string>()(key.name));
   }
@@ -84,8 +86,12 @@ bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation,
               uint64_t(c.mode) << 40 | uint64_t(c.has_kv_cache) << 44 |
               uint64_t(c.needs_grad) << 45 | uint64_t(c.is_causal) << 46 |
               uint64_t(c.q_len_equals_kv_len) << 47 | uint64_t(s.source) << 48 |
-              uint64_t(c.window) << 52 | uint64_t(c.softcap) << 53 | uint64_t(c.sinks) << 54 |
-              uint64_t(c.lse) << 55 | uint64_t(c.kv_dtype) << 56 | uint64_t(c.kv_scales) << 60;
+              uint64_t(c.kv_dtype) << 52 | uint64_t(c.kv_scales) << 56;
+  int bit = 0;
+#define ASTR_VARIANT_BIT(field, argument, cuda, flash, torch_native) \
+  key.variants |= uint64_t(c.field) << bit++;
+  ASTR_VARIANTS(ASTR_VARIANT_BIT)
+#undef ASTR_VARIANT_BIT
   key.generation = generation;
   key.name = s.name;
   return true;
