@@ -323,8 +323,7 @@ TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
 
 TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   KernelTuning automatic;
-  // D = 96 and 128 compile both wgmma prefills: the warp-specialised one runs, the first when
-  // asked.
+  // D = 128 compiles both wgmma prefills: the warp-specialised one runs, the first when asked.
   EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
@@ -355,7 +354,8 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), wgmma).kernel,
             PrefillKernel::kWarpSpecialized);
   EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), wgmma).kernel, PrefillKernel::kWgmma);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), wgmma).kernel, PrefillKernel::kWgmma);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), wgmma).kernel,
+            PrefillKernel::kWarpSpecialized);
   KernelTuning warp_specialized;
   warp_specialized.prefill_kernel = PrefillKernel::kWarpSpecialized;
   EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), warp_specialized).kernel,
@@ -378,8 +378,8 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
   EXPECT_TRUE(first(128, h200(), automatic, 1));
   EXPECT_TRUE(first(128, h200(), automatic, kFp8ScratchLimitBytes));
   EXPECT_FALSE(first(128, h200(), automatic, kFp8ScratchLimitBytes + 1));
-  // The mma.sync prefill (every head dim on the A100; D = 96 on the H200, whose wgmma kernel
-  // reads 16-bit tiles only there) reads the bytes too.
+  // The mma.sync prefill (every head dim on the A100; D = 96 on the H200, where no wgmma kernel
+  // reads FP8) reads the bytes too.
   EXPECT_FALSE(first(96, h200(), automatic, kFp8ScratchLimitBytes * 8));
   EXPECT_EQ(
       astr::kernels::plan_paged_prefill(96, h200(), automatic, kFp8ScratchLimitBytes * 8).kernel,
@@ -428,7 +428,7 @@ TEST(PrefillPlan, TheWarpSpecializedKernelCopiesByTmaBoxesUnlessTunedToGather) {
   // Only the warp-specialised kernel copies by boxes.
   KernelTuning wgmma;
   wgmma.prefill_kernel = PrefillKernel::kWgmma;
-  EXPECT_FALSE(boxes(96, h200(), wgmma));
+  EXPECT_FALSE(boxes(128, h200(), wgmma));
   EXPECT_FALSE(boxes(64, a100(), automatic));
   EXPECT_FALSE(boxes(64, h200(), automatic, astr::kernels::kFp8ScratchLimitBytes + 1));
   KernelTuning gather;

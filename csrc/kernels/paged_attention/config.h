@@ -43,7 +43,7 @@ struct HeadDimForms {
 inline constexpr HeadDimForms kPagedHeadDims[] = {
     // BEGIN HEAD DIMS
     {64,  false, false, false, false, true},
-    {96,  false, false, false, true,  true},
+    {96,  false, false, false, false, true},
     {128, true,  true,  true,  true,  true},
     {256, false, false, false, false, true},
     // END HEAD DIMS
@@ -62,7 +62,7 @@ inline constexpr size_t kNumPagedHeadDims = sizeof(kPagedHeadDims) / sizeof(kPag
 // and dequantize in registers (tile_math.cuh), and so can the mma.sync prefill; the wgmma prefill
 // converts its tiles in shared memory (prefill_wgmma_kernel.cuh). plan.h says when a prefill
 // reads the bytes rather than pages the binding has dequantized first
-// (csrc/backends/cuda_paged_attention.cu). The other families (the persistent decode, the
+// (csrc/backends/cuda/paged_attention.cu). The other families (the persistent decode, the
 // warp-specialised prefill) are built for q's own type only: the plan keeps FP8 decodes off the
 // persistent form, and FP8 prefills reading the bytes off the warp-specialised one.
 #define ASTRAI_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same) X(kFp8, uint8_t, fp8)

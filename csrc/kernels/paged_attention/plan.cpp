@@ -334,9 +334,9 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 
 // The prefill kernel: on sm_90 (sm_90a code) the warp-specialised one wherever config.h compiles
 // it, else the first wgmma kernel, else mma.sync. With TMA boxes (pool_tensor_map.h) the
-// warp-specialised kernel is the fastest at every head dim it compiles; at D = 96 and 128 the first
-// wgmma kernel is compiled too and runs with prefill_kernel=wgmma (decisions.md, "Prefill: which
-// kernel runs at each head dim").
+// warp-specialised kernel is the fastest at every head dim it compiles; at D = 128 the first wgmma
+// kernel is compiled too, for FP8 pages read in the kernel, and runs with prefill_kernel=wgmma
+// (decisions.md, "Prefill: which kernel runs at each head dim").
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes,
                                const PrefillKvFootprint& kv) {
@@ -366,8 +366,8 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
     bool first = prefill_dequantizes_fp8_first(*fp8_scratch_bytes);
     if (tuning.fp8_prefill != Fp8Prefill::kAuto)
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
-    // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one, the
-    // wgmma one at D = 96), the wgmma one where it runs and can, else the mma.sync prefill, which
+    // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one), the
+    // wgmma one where it runs and can, else the mma.sync prefill, which
     // can at every head dim on every GPU.
     if (!first && !prefill_reads_fp8(plan.kernel, head_dim)) {
       plan.kernel = wgmma_runs && prefill_reads_fp8(PrefillKernel::kWgmma, head_dim)
