@@ -30,10 +30,17 @@ def capabilities() -> list:
         ("head dims", head_dims, "multiples of 8 up to 256", "any"),
         ("page sizes", "1, 2, 4, ..., 256", "FA2: multiples of 256; FA3/4: any", "any"),
         ("masks", "none, causal, bool", "none, causal", "none, causal, bool, additive"),
-        ("window, softcap", "yes", "yes (the package's own)", "yes"),
-        ("sinks", "yes", "no", "yes"),
-        ("return_lse", "yes", "yes", "yes"),
-        ("gradients", "no", "dense: yes", "yes (sinks too)"),
+        *_variant_rows(),
+        ("gradients", "no", "dense: yes", "yes"),
+    ]
+
+
+def _variant_rows() -> list:
+    """One row per variant: which backends implement it (csrc/dispatch/call_description.h:
+    ASTR_VARIANTS, as the library reports it)."""
+    return [
+        (name, *("yes" if support[b] else "no" for b in ("cuda", "flash", "torch_native")))
+        for name, support in ops.BUILD_INFO["variants"].items()
     ]
 
 

@@ -76,6 +76,10 @@ dispatch::Mode parse_mode(std::optional<c10::string_view> mode);
 // errors that name the argument; then describes the call for the resolver.
 dispatch::CallDescription validate_and_describe(const AttentionArgs& args);
 
+// The variants' arguments and the FP8 cache's scales (validate_and_describe checks them too): for
+// the backends' own ops, which direct calls reach without the resolver.
+void validate_variant_args(const AttentionArgs& args);
+
 // The resolver's description from q alone (check_backend): kv heads assumed equal to q heads
 // unless a cache says otherwise.
 dispatch::CallDescription describe_form(const at::Tensor& q,

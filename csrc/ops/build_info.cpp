@@ -3,6 +3,7 @@
 #include <string>
 
 #include "dispatch/backend_status.h"
+#include "dispatch/call_description.h"
 #include "kernels/paged_attention/config.h"
 #include "ops/ops.h"
 
@@ -71,13 +72,28 @@ std::string kernel_list_json() {
          "}}";
 }
 
+// Which backends implement each variant (call_description.h: ASTR_VARIANTS), for `info`:
+// {"window_left": {"cuda": true, "flash": true, "torch_native": true}, ...}.
+std::string variants_json() {
+  std::string json;
+#define ASTR_VARIANT_JSON(field, argument, cuda, flash, torch_native) \
+  json += std::string(json.empty() ? "" : ", ") + "\"" + argument +   \
+          "\": {\"cuda\": " + (cuda ? "true" : "false") +             \
+          ", \"flash\": " + (flash ? "true" : "false") +              \
+          ", \"torch_native\": " + (torch_native ? "true" : "false") + "}";
+  ASTR_VARIANTS(ASTR_VARIANT_JSON)
+#undef ASTR_VARIANT_JSON
+  return "{" + json + "}";
+}
+
 }  // namespace
 
 std::string build_info() {
   return std::string("{\"torch_version\": \"") + ASTR_TORCH_VERSION +
          "\", \"with_cuda\": " + (built_with_cuda() ? "true" : "false") + ", \"cuda_version\": \"" +
          ASTR_CUDA_VERSION + "\", \"cuda_archs\": \"" + ASTR_CUDA_ARCHS +
-         "\", \"paged_kernels\": " + kernel_list_json() + "}";
+         "\", \"paged_kernels\": " + kernel_list_json() + ", \"variants\": " + variants_json() +
+         "}";
 }
 
 }  // namespace astr

@@ -6,8 +6,8 @@
 #include "ops/ops.h"
 
 TORCH_LIBRARY(astr, m) {
-  // Attention over dense q/k/v or a paged KV cache; picks the backend (see csrc/dispatch). The
-  // variants (window_left, softcap, sinks) and FP8 cache scales (k_scale, v_scale) are optional.
+  // Attention over dense q/k/v or a paged KV cache; picks the backend (see csrc/dispatch). Its
+  // arguments after q are one list, ASTR_ATTENTION_ARGS (attention_args.h).
   m.def("attention(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS ") -> Tensor");
   m.impl("attention", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::attention));
   // The same, also returning each row's log-sum-exp: attention(..., return_lse=True) resolves to

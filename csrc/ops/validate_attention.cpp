@@ -495,4 +495,6 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
   return call;
 }
 
+void validate_variant_args(const AttentionArgs& args) { validate_variants(args); }
+
 }  // namespace astr

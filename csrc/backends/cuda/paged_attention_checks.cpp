@@ -19,26 +19,25 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& 
              " (the device of q), got ", t.device());
 }
 
-void check_int32_vector(const at::Tensor& t, const char* name, int64_t expected_len,
-                        const at::Device& device) {
-  check_cuda_tensor(t, name, device);
+void check_int32_vector(const at::Tensor& t, const char* name, int64_t expected_len) {
   ASTR_CHECK(t.scalar_type() == at::kInt, "cuda_paged_attention: ", name, " must be int32, got ",
              t.scalar_type());
   ASTR_CHECK(t.dim() == 1 && t.size(0) == expected_len, "cuda_paged_attention: ", name,
              " must have shape [", expected_len, "], got ", t.sizes());
-  ASTR_CHECK(t.stride(0) == 1 || t.size(0) <= 1, "cuda_paged_attention: ", name,
-             " must be contiguous");
 }
 
-void check_float_vector(const at::Tensor& t, const char* name, int64_t expected_len,
-                        const at::Device& device) {
-  check_cuda_tensor(t, name, device);
-  ASTR_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == expected_len,
-             "cuda_paged_attention: ", name, " must be float32 of shape [", expected_len, "], got ",
-             t.scalar_type(), " ", t.sizes());
-  ASTR_CHECK(t.stride(0) == 1 || t.size(0) <= 1, "cuda_paged_attention: ", name,
-             " must be contiguous");
+// Every tensor argument: on q's CUDA device, its last dim contiguous (the kernels index rows
+// and vectors by element). The others need nothing here.
+void check_argument(const std::optional<at::Tensor>& t, const char* name,
+                    const at::Device& device) {
+  if (!t) return;
+  check_cuda_tensor(*t, name, device);
+  ASTR_CHECK(t->dim() == 0 || t->stride(-1) == 1 || t->size(-1) <= 1,
+             "cuda_paged_attention: ", name, " must have a contiguous last dim, got strides ",
+             t->strides());
 }
+template <typename T>
+void check_argument(const T&, const char*, const at::Device&) {}
 
 // cp.async moves 16 bytes: base pointer and every stride must be multiples of 16 bytes.
 void check_16_byte_rows(const at::Tensor& t, const char* name) {
@@ -69,6 +68,12 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
              "cuda_paged_attention: q must be bfloat16 or float16, got ", q.scalar_type());
   ASTR_CHECK(q.dim() == 3, "cuda_paged_attention: q must have shape [T, Hq, D] (rank 3), got ",
              q.sizes());
+#define ASTR_CHECK_ARGUMENT(name, type, default_value, cpp_type) \
+  check_argument(a.name, #name, device);
+  ASTR_ATTENTION_ARGS(ASTR_CHECK_ARGUMENT)
+#undef ASTR_CHECK_ARGUMENT
+  // The variants' arguments and the FP8 scales: the op's own rules.
+  validate_variant_args(a);
   PagedCallShape shape;
   shape.num_tokens = q.size(0);
   shape.num_q_heads = q.size(1);
@@ -80,7 +85,6 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
   // The cache holds q's dtype, or FP8 (e4m3 / e5m2, the same for k and v) with per-head scales.
   shape.fp8 = is_fp8(k_cache.scalar_type());
   for (const auto& [cache, name] : {std::pair{&k_cache, "k_cache"}, {&v_cache, "v_cache"}}) {
-    check_cuda_tensor(*cache, name, device);
     ASTR_CHECK(cache->scalar_type() == q.scalar_type() ||
                    (shape.fp8 && cache->scalar_type() == k_cache.scalar_type()),
                "cuda_paged_attention: ", name, " must have the dtype of q (", q.scalar_type(),
@@ -108,23 +112,18 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
   if (shape.fp8) {
     ASTR_CHECK(a.k_scale.has_value() && a.v_scale.has_value(),
                "cuda_paged_attention: an FP8 KV cache needs k_scale and v_scale (float32 [Hkv])");
-    check_float_vector(*a.k_scale, "k_scale", shape.num_kv_heads, device);
-    check_float_vector(*a.v_scale, "v_scale", shape.num_kv_heads, device);
   } else {
     ASTR_CHECK(!a.k_scale && !a.v_scale,
                "cuda_paged_attention: k_scale/v_scale are only for an FP8 KV cache");
   }
 
-  check_cuda_tensor(block_table, "block_table", device);
   ASTR_CHECK(block_table.scalar_type() == at::kInt,
              "cuda_paged_attention: block_table must be int32, got ", block_table.scalar_type());
   ASTR_CHECK(block_table.dim() == 2,
              "cuda_paged_attention: block_table must have shape [B, W], got ", block_table.sizes());
-  ASTR_CHECK(block_table.stride(1) == 1 || block_table.size(1) <= 1,
-             "cuda_paged_attention: block_table must have a contiguous last dim");
   shape.num_seqs = block_table.size(0);
   shape.width = block_table.size(1);
-  check_int32_vector(*a.seq_lens, "seq_lens", shape.num_seqs, device);
+  check_int32_vector(*a.seq_lens, "seq_lens", shape.num_seqs);
   if (a.decode()) {
     ASTR_CHECK(shape.num_tokens == shape.num_seqs,
                "cuda_paged_attention: decode needs one token per sequence: q has ",
@@ -132,7 +131,7 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
   } else {
     ASTR_CHECK(a.query_start_loc.has_value(),
                "cuda_paged_attention: query_start_loc is required for a prefill");
-    check_int32_vector(*a.query_start_loc, "query_start_loc", shape.num_seqs + 1, device);
+    check_int32_vector(*a.query_start_loc, "query_start_loc", shape.num_seqs + 1);
     ASTR_CHECK(a.max_query_len >= 0, "cuda_paged_attention: max_query_len must be >= 0, got ",
                a.max_query_len);
     ASTR_CHECK(shape.num_tokens == 0 || a.max_query_len > 0,
@@ -140,26 +139,15 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
   }
   if (a.attn_mask.has_value()) {
     const at::Tensor& mask = *a.attn_mask;
-    check_cuda_tensor(mask, "attn_mask", device);
     ASTR_CHECK(mask.scalar_type() == at::kBool,
                "cuda_paged_attention: attn_mask must be bool (True = attend), got ",
                mask.scalar_type());
     ASTR_CHECK(mask.dim() == 2 && mask.size(0) == shape.num_tokens,
                "cuda_paged_attention: attn_mask must have shape [T, K] with T = ", shape.num_tokens,
                ", got ", mask.sizes());
-    ASTR_CHECK(mask.stride(1) == 1 || mask.size(1) <= 1,
-               "cuda_paged_attention: attn_mask must have a contiguous last dim");
   }
-  ASTR_CHECK(a.window_left >= -1 && a.window_left <= INT32_MAX,
-             "cuda_paged_attention: window_left must be -1 or in [0, 2^31 - 1], got ",
-             a.window_left);
-  const double softcap = a.softcap_value();
-  ASTR_CHECK(std::isfinite(softcap) && softcap >= 0.0,
-             "cuda_paged_attention: softcap must be None (off) or a finite value > 0, got ",
-             softcap);
   const double scale = a.resolved_scale();
   ASTR_CHECK(std::isfinite(scale), "cuda_paged_attention: scale must be finite, got ", scale);
-  if (a.sinks) check_float_vector(*a.sinks, "sinks", shape.num_q_heads, device);
   ASTR_CHECK(shape.num_tokens <= INT32_MAX && shape.num_seqs <= INT32_MAX,
              "cuda_paged_attention: too many tokens");
   return shape;

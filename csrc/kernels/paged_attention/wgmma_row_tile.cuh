@@ -163,7 +163,7 @@ __device__ __forceinline__ void sum_rows_over_quad(float (&row_sum)[2]) {
   }
 }
 
-// The finished rows (sums from sum_rows_over_quad): the variant layer's finish (sinks, poison),
+// The finished rows (sums from sum_rows_over_quad): the variant layer's finish (variant.cuh),
 // then this thread's columns of the output, times out_scale (an FP8 cache's v scale), and the
 // row's LSE. Rows past num_rows are padding.
 template <typename T, int D>
