@@ -29,7 +29,7 @@ from astrai.extension import (
     explain,
     get_backend,
 )
-from astrai.extension.backend.base import THREAD_CONTEXTS
+from astrai.extension.selection import THREAD_CONTEXTS
 from astrai.extension.backend.cuda import CudaBackend
 from astrai.extension.backend.flash import FlashAttnBackend
 

@@ -24,7 +24,7 @@ from astrai.extension import (
     explain,
     get_backend,
 )
-from astrai.extension.backend.base import THREAD_CONTEXTS
+from astrai.extension.selection import THREAD_CONTEXTS
 
 BUILTIN_NAMES = ("cuda", "flash", "torch_native")
 

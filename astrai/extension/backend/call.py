@@ -3,7 +3,6 @@ append), so that the C++ resolver makes every choice."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,38 +18,53 @@ def paged_query_tokens(q):
     return q.reshape(-1, q.shape[-2], q.shape[-1])
 
 
-@dataclass(frozen=True)
-class Variants:
-    """The attention variants of one call (csrc/kernels/paged_attention/params.h defines them)."""
-
-    window_left: int = -1
-    softcap: Optional[float] = None
-    sinks: Optional[torch.Tensor] = None  # float32 [Hq]
-    return_lse: bool = False
-
-    def op_args(self) -> dict:
-        """astr::attention's keyword arguments for them (return_lse picks the op's overload)."""
-        args = dict(window_left=self.window_left, softcap=self.softcap, sinks=self.sinks)
-        if self.return_lse:
-            args["return_lse"] = True
-        return args
-
-
-NO_VARIANTS = Variants()
-
-
-def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id=0):
-    """Positional/keyword arguments of astr::attention for a paged call over ``kv_cache``
-    (an FP8 cache's scales of layer ``layer_id`` included)."""
-    step = kv_cache.step
-    if step is None:
-        raise RuntimeError("kv_cache: call begin_step(...) before attention")
-    scales = getattr(kv_cache, "scales", None)
-    k_scale, v_scale = scales(layer_id) if scales is not None else (None, None)
-    return dict(
+def op_arguments(
+    q,
+    k,
+    v,
+    kv_cache,
+    layer_id,
+    attn_mask,
+    is_causal,
+    fwd,
+    scale: Optional[float],
+    window_left: int,
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor],
+    return_lse: bool,
+    selection,
+) -> dict:
+    """The keyword arguments of ``torch.ops.astr.attention`` (``return_lse``: its ``.lse``
+    overload) and of ``torch.ops.astr.explain`` for one Python-API call; ``selection`` is what
+    the call observed (astrai.extension.selection.Selection). A call over ``kv_cache`` passes
+    the step's metadata, layer ``layer_id``'s pools (and FP8 scales), and q as tokens; its k/v
+    are appended by ``run_builtin``, not passed."""
+    args = dict(
         attn_mask=attn_mask,
         is_causal=is_causal,
         scale=scale,
+        window_left=window_left,
+        softcap=softcap,
+        sinks=sinks,
+        **selection.op_args,
+    )
+    if return_lse:  # only .lse takes it (and explain)
+        args["return_lse"] = True
+    if kv_cache is None:
+        args.update(q=q, k=k, v=v, mode=fwd)
+        return args
+    k_pool, v_pool = kv_cache.layer(layer_id)
+    step = kv_cache.step
+    if step is None:
+        raise RuntimeError("kv_cache: call begin_step(...) before attention")
+    scales = getattr(kv_cache, "scales", None)  # (a cache without FP8 pools may not have it)
+    k_scale, v_scale = scales(layer_id) if scales is not None else (None, None)
+    args.update(
+        q=paged_query_tokens(q),
+        k=None,
+        v=None,
+        k_cache=k_pool,
+        v_cache=v_pool,
         block_table=step.block_table,
         seq_lens=step.seq_lens,
         query_start_loc=step.query_start_loc,
@@ -59,6 +73,7 @@ def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id=0)
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    return args
 
 
 def run_builtin(
@@ -70,44 +85,38 @@ def run_builtin(
     attn_mask,
     is_causal,
     fwd,
-    backend: Optional[str],
-    scale: Optional[float] = None,
-    selection: Optional[str] = None,
-    variants: Variants = NO_VARIANTS,
+    scale: Optional[float],
+    window_left: int,
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor],
+    return_lse: bool,
+    selection,
 ):
-    """Run a call through the C++ resolver; ``backend`` None lets it choose (context stack,
-    ASTR_BACKEND, default priority; or ``selection``, what the caller observed of the first
-    two: see astr::attention's contract in csrc/README.md). Returns out, or (out, lse) when
-    ``variants.return_lse``."""
+    """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``).
+    Over a KV cache, new k/v are appended, then q attends.
+    Returns out, or (out, lse) when ``return_lse``."""
+    args = op_arguments(
+        q,
+        k,
+        v,
+        kv_cache,
+        layer_id,
+        attn_mask,
+        is_causal,
+        fwd,
+        scale,
+        window_left,
+        softcap,
+        sinks,
+        return_lse,
+        selection,
+    )
     if kv_cache is None:
-        return torch.ops.astr.attention(
-            q,
-            k,
-            v,
-            attn_mask,
-            is_causal,
-            scale,
-            mode=fwd,
-            backend=backend,
-            selection=selection,
-            **variants.op_args(),
-        )
-    k_pool, v_pool = kv_cache.layer(layer_id)
-    q_tokens = paged_query_tokens(q)  # [T, Hq, D]; checked before anything is appended
+        return torch.ops.astr.attention(**args)
     if k is not None:
         kv_cache.append(layer_id, k, v)
-    result = torch.ops.astr.attention(
-        q_tokens,
-        None,
-        None,
-        k_cache=k_pool,
-        v_cache=v_pool,
-        backend=backend,
-        selection=selection,
-        **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id),
-        **variants.op_args(),
-    )
-    if variants.return_lse:
+    result = torch.ops.astr.attention(**args)
+    if return_lse:
         out, lse = result
         return out.view(*q.shape[:-1], out.shape[-1]), lse.view(q.shape[:-1])
     return result.view(*q.shape[:-1], result.shape[-1])
