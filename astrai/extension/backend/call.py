@@ -3,6 +3,7 @@ append), so that the C++ resolver makes every choice."""
 
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 import torch
@@ -76,6 +77,19 @@ def op_arguments(
     return args
 
 
+def check_call(args: dict) -> None:
+    """Raises what ``torch.ops.astr.attention(**args)`` would raise before running (a bad
+    argument, or no backend able to run the call), without running or writing anything: a
+    refused call must not have appended its k/v. Through ``torch.ops.astr.explain``, which runs
+    the op's validation and resolution; a dedicated check op can replace it here."""
+    decision = torch.ops.astr.explain(**args)
+    if decision.startswith('{"backend": "'):  # a backend was chosen (read without parsing)
+        return
+    decision = json.loads(decision)
+    if decision["backend"] is None:
+        raise RuntimeError(decision["error"])
+
+
 def run_builtin(
     q,
     k,
@@ -93,7 +107,7 @@ def run_builtin(
     selection,
 ):
     """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``).
-    Over a KV cache, new k/v are appended, then q attends.
+    Over a KV cache, new k/v are appended once the op's checks have passed, then q attends.
     Returns out, or (out, lse) when ``return_lse``."""
     args = op_arguments(
         q,
@@ -114,6 +128,10 @@ def run_builtin(
     if kv_cache is None:
         return torch.ops.astr.attention(**args)
     if k is not None:
+        # While torch.compile traces, the trace itself runs these checks on fake tensors before
+        # any graph runs (and explain's string result cannot be traced).
+        if not torch.compiler.is_compiling():
+            check_call(args)
         kv_cache.append(layer_id, k, v)
     result = torch.ops.astr.attention(**args)
     if return_lse:
