@@ -29,9 +29,9 @@ from astrai.extension import (
     explain,
     get_backend,
 )
-from astrai.extension.selection import THREAD_CONTEXTS
 from astrai.extension.backend.cuda import CudaBackend
 from astrai.extension.backend.flash import FlashAttnBackend
+from astrai.extension.selection import THREAD_CONTEXTS
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
