@@ -226,14 +226,14 @@ def _enter(context: attn_backend) -> None:
     TASK_CONTEXTS.set(TASK_CONTEXTS.get() + (entry,))
 
 
-def _entry_to_exit(context: attn_backend) -> Optional[ContextEntry]:
+def _entry_to_exit(context: attn_backend, task, on_thread) -> Optional[ContextEntry]:
     """The entry of ``context`` that an exit here closes: the calling task's innermost one, else
     this thread's (a generator resumed in another task), else the last one entered anywhere (an
     exit from another thread)."""
-    for entry in reversed(TASK_CONTEXTS.get()):
+    for entry in reversed(task):  # usually its last
         if entry.context is context and entry.open:
             return entry
-    for entry in reversed(THREAD_CONTEXTS.entries):
+    for entry in reversed(on_thread):
         if entry.context is context and entry.open:
             return entry
     try:
@@ -245,19 +245,19 @@ def _entry_to_exit(context: attn_backend) -> Optional[ContextEntry]:
 def _exit(context: attn_backend) -> None:
     """Closes one entry of ``context`` (``_entry_to_exit``), wherever it is in the task's and the
     thread's contexts: tasks sharing a thread exit their contexts interleaved."""
-    entry = _entry_to_exit(context)
+    task = TASK_CONTEXTS.get()
+    on_thread = THREAD_CONTEXTS.entries
+    entry = _entry_to_exit(context, task, on_thread)
     if entry is None or not entry.open:
         raise RuntimeError(f"attn_backend: {context.backend!r} is not an open context here")
     entry.open = False
     context._entries.remove(entry)
-    task = TASK_CONTEXTS.get()
     if task and task[-1] is entry:  # the usual, innermost-first exit
         TASK_CONTEXTS.set(task[:-1])
     elif entry in task:
         TASK_CONTEXTS.set(tuple(e for e in task if e is not entry))
     else:  # exited from a task or thread that did not enter it
         entry.withdrawn = True
-    on_thread = THREAD_CONTEXTS.entries
     if entry in on_thread:
         on_thread.remove(entry)
         torch.ops.astr.pop_backend(entry.native_id)
@@ -297,9 +297,9 @@ class attn_backend:
 def context_of(backend: AttentionBackend) -> attn_backend:
     """The ``attn_backend`` that ``with backend:`` enters: one per backend object, made once."""
     state = backend.__dict__
-    context = state.get("_attn_backend")
+    context = state.get("_astrai_context")
     if context is None:  # setdefault: two threads entering at once share the one that lands
-        context = state.setdefault("_attn_backend", attn_backend(backend))
+        context = state.setdefault("_astrai_context", attn_backend(backend))
     return context
 
 
@@ -345,10 +345,10 @@ def _argument_selection(backend: AttentionBackend) -> Selection:
     if _is_compiling():
         return _selection(BackendSource.ARGUMENT, backend.override_name(), backend)
     state = backend.__dict__
-    selection = state.get("_argument_selection")
+    selection = state.get("_astrai_argument_selection")
     if selection is None:
         selection = _selection(BackendSource.ARGUMENT, backend.override_name(), backend)
-        state["_argument_selection"] = selection
+        state["_astrai_argument_selection"] = selection
     return selection
 
 

@@ -91,9 +91,10 @@ def attention(
     """Attention over BLHD q/k/v (``[batch, seq_len, heads, head_dim]``).
 
     ``fwd=None``: a training call (no cache, differentiable). ``fwd="prefill"``/``"decode"``
-    with ``kv_cache``: k/v (the new tokens) are appended to layer ``layer_id``'s pools, then q
-    attends over the cache using the metadata of ``kv_cache.begin_step(...)``; for a ragged
-    prefill pack the batch's new tokens along dim 1 (``[1, T, heads, head_dim]``).
+    with ``kv_cache``: once the call's arguments and backend are checked, k/v (the new tokens)
+    are appended to layer ``layer_id``'s pools, then q attends over the cache using the metadata
+    of ``kv_cache.begin_step(...)`` (a refused call writes nothing); for a ragged prefill pack
+    the batch's new tokens along dim 1 (``[1, T, heads, head_dim]``).
 
     Variants: ``window_left=W >= 0`` (with ``is_causal``) lets a query at absolute position p
     see keys p - W .. p (positions top-left aligned for dense calls, ``seq_len - q_len + i``
