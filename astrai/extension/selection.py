@@ -65,21 +65,22 @@ class BackendSource(enum.IntEnum):
 
 def op_selection_args(source: BackendSource, name: Optional[str]) -> dict:
     """The op's selection arguments (``torch.ops.astr.attention``, ``.lse``, ``explain``) for a
-    choice of ``name`` from ``source``. The one place that writes them.
+    choice of ``name`` from ``source``, those not at the schema's default. The one place that
+    writes them.
 
     Today's schema takes ``backend: str?`` (the per-call choice) and ``selection: str?``
     (``"context:NAME"``, ``"environment:NAME"``, ``""`` = neither, None = read them in C++). The
     next one takes ``backend: str?`` and ``backend_source: int`` (``BackendSource``): this
     function then returns ``{"backend": name, "backend_source": int(source)}``."""
     if source is BackendSource.ARGUMENT:
-        return {"backend": name, "selection": None}
+        return {"backend": name}
     if source is BackendSource.CONTEXT:
-        return {"backend": None, "selection": f"context:{name}"}
+        return {"selection": f"context:{name}"}
     if source is BackendSource.ENVIRONMENT:
-        return {"backend": None, "selection": f"environment:{name}"}
+        return {"selection": f"environment:{name}"}
     if source is BackendSource.DEFAULT:
-        return {"backend": None, "selection": ""}
-    return {"backend": None, "selection": None}
+        return {"selection": ""}
+    return {}
 
 
 def parse_selected_backend(answer) -> Tuple[Optional[str], BackendSource]:

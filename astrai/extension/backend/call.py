@@ -39,41 +39,47 @@ def op_arguments(
     overload) and of ``torch.ops.astr.explain`` for one Python-API call; ``selection`` is what
     the call observed (astrai.extension.selection.Selection). A call over ``kv_cache`` passes
     the step's metadata, layer ``layer_id``'s pools (and FP8 scales), and q as tokens; its k/v
-    are appended by ``run_builtin``, not passed."""
-    args = dict(
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=scale,
-        window_left=window_left,
-        softcap=softcap,
-        sinks=sinks,
-        **selection.op_args,
-    )
+    are appended by ``run_builtin``, not passed. Arguments at the schema's default are left out:
+    each one passed costs the op's argument parsing time on every call."""
+    if kv_cache is None:
+        args = dict(q=q, k=k, v=v, **selection.op_args)
+        if fwd is not None:
+            args["mode"] = fwd
+    else:
+        k_pool, v_pool = kv_cache.layer(layer_id)
+        step = kv_cache.step
+        if step is None:
+            raise RuntimeError("kv_cache: call begin_step(...) before attention")
+        args = dict(
+            q=paged_query_tokens(q),
+            k_cache=k_pool,
+            v_cache=v_pool,
+            block_table=step.block_table,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            max_query_len=step.max_query_len,
+            mode=fwd or "prefill",
+            **selection.op_args,
+        )
+        scales = getattr(kv_cache, "scales", None)  # (a cache without FP8 pools may not have it)
+        if scales is not None:
+            k_scale, v_scale = scales(layer_id)
+            if k_scale is not None or v_scale is not None:
+                args["k_scale"], args["v_scale"] = k_scale, v_scale
+    if attn_mask is not None:
+        args["attn_mask"] = attn_mask
+    if is_causal is not False:
+        args["is_causal"] = is_causal
+    if scale is not None:
+        args["scale"] = scale
+    if window_left != -1:
+        args["window_left"] = window_left
+    if softcap is not None:
+        args["softcap"] = softcap
+    if sinks is not None:
+        args["sinks"] = sinks
     if return_lse:  # only .lse takes it (and explain)
         args["return_lse"] = True
-    if kv_cache is None:
-        args.update(q=q, k=k, v=v, mode=fwd)
-        return args
-    k_pool, v_pool = kv_cache.layer(layer_id)
-    step = kv_cache.step
-    if step is None:
-        raise RuntimeError("kv_cache: call begin_step(...) before attention")
-    scales = getattr(kv_cache, "scales", None)  # (a cache without FP8 pools may not have it)
-    k_scale, v_scale = scales(layer_id) if scales is not None else (None, None)
-    args.update(
-        q=paged_query_tokens(q),
-        k=None,
-        v=None,
-        k_cache=k_pool,
-        v_cache=v_pool,
-        block_table=step.block_table,
-        seq_lens=step.seq_lens,
-        query_start_loc=step.query_start_loc,
-        max_query_len=step.max_query_len,
-        mode=fwd or "prefill",
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
     return args
 
 
