@@ -1,5 +1,7 @@
 """Host-side cost of one attention call: astr's op (C++ resolver + dispatch) and Python API
-against a direct SDPA call, on tiny CPU tensors where the math is negligible.
+against a direct SDPA call, on tiny CPU tensors where the math is negligible; also a paged
+decode step through the Python API with and without new tokens to append, and an
+``attn_backend`` context entered and left around a call.
 
     python3 benchmarks/bench_overhead.py [--iters 5000] [--repeats 31] [--out benchmarks/results]
 
@@ -88,6 +90,18 @@ def main() -> None:
     op = torch.ops.astr.attention
     op_default = torch.ops.astr.attention.default
 
+    def in_context():
+        with ext.attn_backend("torch_native"):
+            return ext.attention(q, k, v)
+
+    # One sequence of 5 cached tokens decoding its 6th: each call writes the same slot again.
+    cache = ext.PagedKVCache(
+        1, num_pages=2, page_size=16, num_kv_heads=1, head_dim=8, dtype=torch.float32
+    )
+    cache.begin_step([0], [5])
+    cache.append(0, torch.randn(5, 1, 8), torch.randn(5, 1, 8))
+    cache.begin_step([0], [1])
+
     cases = {
         "sdpa (F.scaled_dot_product_attention, BHLD)": lambda: F.scaled_dot_product_attention(
             q_t, k_t, v_t
@@ -101,6 +115,13 @@ def main() -> None:
             q, k, v, backend="torch_native"
         ),
         "astrai.extension.attention (Python API)": lambda: ext.attention(q, k, v),
+        "attention in attn_backend('torch_native') (enter + call + exit)": in_context,
+        "paged decode, k/v appended (Python API)": lambda: ext.attention(
+            q, k, v, kv_cache=cache, fwd="decode"
+        ),
+        "paged decode, nothing to append (k=v=None)": lambda: ext.attention(
+            q, None, None, kv_cache=cache, fwd="decode"
+        ),
     }
     # Inference mode (a serving call) and plain grad mode (inputs not requiring grad: the
     # autograd dispatch keys are still visited, as in a training script's eval pass).

@@ -1,8 +1,9 @@
-"""astrai.extension: one attention entry point over our CUDA kernels, flash-attn and SDPA.
+"""astrai.extension: one attention entry point over our CUDA kernels, flash-attn and SDPA
+(``astrai`` re-exports all of it).
 
-from astrai.extension import attention, attn_backend, PagedKVCache
+from astrai import attention, attn_backend, PagedKVCache
 out = attention(q, k, v, is_causal=True)            # training / dense, BLHD
-with attn_backend("torch_native"):                   # strict choice, this thread only
+with attn_backend("torch_native"):                   # strict choice, this thread or task only
     out = attention(q, k, v, kv_cache=cache, layer_id=0, fwd="decode")
 """
 
@@ -16,12 +17,11 @@ from .backend.attention import (
     FlashAttnBackend,
     TorchNativeBackend,
     attention,
-    attn_backend,
     explain,
-    get_backend,
     merge_states,
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
+from .selection import attn_backend, get_backend
 
 __all__ = [
     "ATTN_BACKEND",

@@ -37,7 +37,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from astrai.extension import StepMetadata, attention, attn_backend
-from astrai.extension.backend.base import task_backends
+from astrai.extension.selection import task_backends
 
 try:
     import transformers

@@ -28,9 +28,9 @@ from astrai.extension import (
     explain,
     get_backend,
 )
-from astrai.extension.backend.base import THREAD_CONTEXTS
 from astrai.extension.backend.cuda import CudaBackend
 from astrai.extension.backend.flash import FlashAttnBackend
+from astrai.extension.selection import THREAD_CONTEXTS
 from tests.reference import assert_close_to_reference, dense_reference, paged_reference
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8

@@ -23,7 +23,7 @@ from astrai.extension import (
     explain,
     get_backend,
 )
-from astrai.extension.backend.base import THREAD_CONTEXTS
+from astrai.extension.selection import THREAD_CONTEXTS
 from tests.reference import assert_close_to_reference, attend, gather_tokens
 
 BUILTIN_NAMES = ("cuda", "flash", "torch_native")

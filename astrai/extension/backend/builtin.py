@@ -8,7 +8,6 @@ from typing import List, Optional
 import torch
 
 from .base import AttentionBackend
-from .call import run_builtin
 
 
 def _form_args(q, kv_cache):
@@ -49,18 +48,8 @@ class BuiltinBackend(AttentionBackend):
         is_causal=False,
         scale: Optional[float] = None,
     ):
-        return run_builtin(
-            q,
-            k,
-            v,
-            kv_cache,
-            layer_id,
-            attn_mask,
-            is_causal,
-            "prefill" if kv_cache is not None else None,
-            {"backend": self.name},
-            scale,
-        )
+        fwd = "prefill" if kv_cache is not None else None
+        return self._attention(q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, scale)
 
     def fwd_decode(
         self,
@@ -73,15 +62,12 @@ class BuiltinBackend(AttentionBackend):
         is_causal=False,
         scale: Optional[float] = None,
     ):
-        return run_builtin(
-            q,
-            k,
-            v,
-            kv_cache,
-            layer_id,
-            attn_mask,
-            is_causal,
-            "decode",
-            {"backend": self.name},
-            scale,
+        return self._attention(q, k, v, kv_cache, layer_id, attn_mask, is_causal, "decode", scale)
+
+    def _attention(self, q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, scale):
+        """``attention(..., backend=self)``: a call run on this backend, strictly."""
+        from .attention import attention  # (that module imports this one)
+
+        return attention(
+            q, k, v, kv_cache, layer_id, attn_mask, is_causal, fwd, backend=self, scale=scale
         )

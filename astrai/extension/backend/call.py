@@ -3,7 +3,7 @@ append), so that the C++ resolver makes every choice."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
 from typing import Optional
 
 import torch
@@ -19,46 +19,81 @@ def paged_query_tokens(q):
     return q.reshape(-1, q.shape[-2], q.shape[-1])
 
 
-@dataclass(frozen=True)
-class Variants:
-    """The attention variants of one call (csrc/kernels/paged_attention/params.h defines them)."""
+def op_arguments(
+    q,
+    k,
+    v,
+    kv_cache,
+    layer_id,
+    attn_mask,
+    is_causal,
+    fwd,
+    scale: Optional[float],
+    window_left: int,
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor],
+    return_lse: bool,
+    selection,
+) -> dict:
+    """The keyword arguments of ``torch.ops.astr.attention`` (``return_lse``: its ``.lse``
+    overload) and of ``torch.ops.astr.explain`` for one Python-API call; ``selection`` is what
+    the call observed (astrai.extension.selection.Selection). A call over ``kv_cache`` passes
+    the step's metadata, layer ``layer_id``'s pools (and FP8 scales), and q as tokens; its k/v
+    are appended by ``run_builtin``, not passed. Arguments at the schema's default are left out:
+    each one passed costs the op's argument parsing time on every call."""
+    if kv_cache is None:
+        args = dict(q=q, k=k, v=v, **selection.op_args)
+        if fwd is not None:
+            args["mode"] = fwd
+    else:
+        k_pool, v_pool = kv_cache.layer(layer_id)
+        step = kv_cache.step
+        if step is None:
+            raise RuntimeError("kv_cache: call begin_step(...) before attention")
+        args = dict(
+            q=paged_query_tokens(q),
+            k_cache=k_pool,
+            v_cache=v_pool,
+            block_table=step.block_table,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            max_query_len=step.max_query_len,
+            mode=fwd or "prefill",
+            **selection.op_args,
+        )
+        scales = getattr(kv_cache, "scales", None)  # (a cache without FP8 pools may not have it)
+        if scales is not None:
+            k_scale, v_scale = scales(layer_id)
+            if k_scale is not None or v_scale is not None:
+                args["k_scale"], args["v_scale"] = k_scale, v_scale
+    if attn_mask is not None:
+        args["attn_mask"] = attn_mask
+    if is_causal is not False:
+        args["is_causal"] = is_causal
+    if scale is not None:
+        args["scale"] = scale
+    if window_left != -1:
+        args["window_left"] = window_left
+    if softcap is not None:
+        args["softcap"] = softcap
+    if sinks is not None:
+        args["sinks"] = sinks
+    if return_lse:  # only .lse takes it (and explain)
+        args["return_lse"] = True
+    return args
 
-    window_left: int = -1
-    softcap: Optional[float] = None
-    sinks: Optional[torch.Tensor] = None  # float32 [Hq]
-    return_lse: bool = False
 
-    def op_args(self) -> dict:
-        """astr::attention's keyword arguments for them (return_lse picks the op's overload)."""
-        args = dict(window_left=self.window_left, softcap=self.softcap, sinks=self.sinks)
-        if self.return_lse:
-            args["return_lse"] = True
-        return args
-
-
-NO_VARIANTS = Variants()
-
-
-def attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id=0):
-    """Positional/keyword arguments of astr::attention for a paged call over ``kv_cache``
-    (an FP8 cache's scales of layer ``layer_id`` included)."""
-    step = kv_cache.step
-    if step is None:
-        raise RuntimeError("kv_cache: call begin_step(...) before attention")
-    scales = getattr(kv_cache, "scales", None)
-    k_scale, v_scale = scales(layer_id) if scales is not None else (None, None)
-    return dict(
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=scale,
-        block_table=step.block_table,
-        seq_lens=step.seq_lens,
-        query_start_loc=step.query_start_loc,
-        max_query_len=step.max_query_len,
-        mode=fwd or "prefill",
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+def check_call(args: dict) -> None:
+    """Raises what ``torch.ops.astr.attention(**args)`` would raise before running (a bad
+    argument, or no backend able to run the call), without running or writing anything: a
+    refused call must not have appended its k/v. Through ``torch.ops.astr.explain``, which runs
+    the op's validation and resolution; a dedicated check op can replace it here."""
+    decision = torch.ops.astr.explain(**args)
+    if decision.startswith('{"backend": "'):  # a backend was chosen (read without parsing)
+        return
+    decision = json.loads(decision)
+    if decision["backend"] is None:
+        raise RuntimeError(decision["error"])
 
 
 def run_builtin(
@@ -70,41 +105,42 @@ def run_builtin(
     attn_mask,
     is_causal,
     fwd,
-    selection: dict,
-    scale: Optional[float] = None,
-    variants: Variants = NO_VARIANTS,
+    scale: Optional[float],
+    window_left: int,
+    softcap: Optional[float],
+    sinks: Optional[torch.Tensor],
+    return_lse: bool,
+    selection,
 ):
-    """Run a call through the C++ resolver; ``selection``: the op's ``backend`` and
-    ``backend_source`` keyword arguments, empty to let it read the context stack and
-    ASTR_BACKEND itself (see astr::attention's contract in csrc/README.md). Returns out, or
-    (out, lse) when ``variants.return_lse``."""
-    if kv_cache is None:
-        return torch.ops.astr.attention(
-            q,
-            k,
-            v,
-            attn_mask,
-            is_causal,
-            scale,
-            mode=fwd,
-            **selection,
-            **variants.op_args(),
-        )
-    k_pool, v_pool = kv_cache.layer(layer_id)
-    q_tokens = paged_query_tokens(q)  # [T, Hq, D]; checked before anything is appended
-    if k is not None:
-        kv_cache.append(layer_id, k, v)
-    result = torch.ops.astr.attention(
-        q_tokens,
-        None,
-        None,
-        k_cache=k_pool,
-        v_cache=v_pool,
-        **selection,
-        **attention_op_args(q, kv_cache, attn_mask, is_causal, fwd, scale, layer_id),
-        **variants.op_args(),
+    """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``).
+    Over a KV cache, new k/v are appended once the op's checks have passed, then q attends.
+    Returns out, or (out, lse) when ``return_lse``."""
+    args = op_arguments(
+        q,
+        k,
+        v,
+        kv_cache,
+        layer_id,
+        attn_mask,
+        is_causal,
+        fwd,
+        scale,
+        window_left,
+        softcap,
+        sinks,
+        return_lse,
+        selection,
     )
-    if variants.return_lse:
+    if kv_cache is None:
+        return torch.ops.astr.attention(**args)
+    if k is not None:
+        # While torch.compile traces, the trace itself runs these checks on fake tensors before
+        # any graph runs (and explain's string result cannot be traced).
+        if not torch.compiler.is_compiling():
+            check_call(args)
+        kv_cache.append(layer_id, k, v)
+    result = torch.ops.astr.attention(**args)
+    if return_lse:
         out, lse = result
         return out.view(*q.shape[:-1], out.shape[-1]), lse.view(q.shape[:-1])
     return result.view(*q.shape[:-1], result.shape[-1])

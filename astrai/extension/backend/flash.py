@@ -13,7 +13,6 @@ import torch
 from .. import ops
 from . import flash_ops
 from .builtin import BuiltinBackend
-from .call import run_builtin
 
 
 @dataclass(frozen=True)
@@ -122,4 +121,4 @@ class FlashAttnBackend(BuiltinBackend):
                 "FlashAttnBackend cannot apply a custom attention mask (only is_causal); "
                 "use the torch_native backend for masked calls"
             )
-        return run_builtin(q, k, v, None, 0, None, is_causal, None, {"backend": self.name}, scale)
+        return self._attention(q, k, v, None, 0, None, is_causal, None, scale)
