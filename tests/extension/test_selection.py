@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from astrai import AttentionBackend, attn_backend, explain
+from astrai import AttentionBackend, attention, attn_backend, explain
 from astrai.extension.selection import (
     DEFAULT_SELECTION,
     BackendSource,
@@ -82,7 +82,7 @@ def test_parse_reads_what_the_op_reports_for_the_thread(monkeypatch):
         assert thread_selection() == ("python:Echo", BackendSource.CONTEXT)
 
 
-def test_parse_reads_the_next_schemas_pair():
+def test_parse_reads_the_schemas_pair():
     assert parse_selected_backend(("cuda", 2)) == ("cuda", BackendSource.CONTEXT)
     assert parse_selected_backend(("", 4)) == (None, BackendSource.DEFAULT)
 
@@ -127,3 +127,14 @@ def test_a_backend_object_enters_through_attn_backend():
         assert thread_selection() == ("python:Echo", BackendSource.CONTEXT)
     with pytest.raises(RuntimeError, match="is not an open context"):
         echo.__exit__(None, None, None)
+
+
+def test_a_python_backend_refuses_a_scale_it_would_not_apply():
+    """Such a backend's forward takes no scale and applies 1/sqrt(head_dim): that scale is
+    accepted, any other raises naming it instead of being ignored."""
+    q = torch.randn(1, 3, 2, 16)
+    assert attention(q, q, q, backend=Echo(), scale=16**-0.5) is q
+    with pytest.raises(ValueError, match="Echo is written in Python: scale run only"):
+        attention(q, q, q, backend=Echo(), scale=0.3)
+    with pytest.raises(ValueError, match="softcap, sinks run only"):
+        attention(q, q, q, backend=Echo(), softcap=5.0, sinks=torch.zeros(2))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -20,7 +21,7 @@ import torch
 
 from ..selection import BackendSpec, attn_backend, get_backend, observe
 from .base import AttentionBackend
-from .call import op_arguments, run_builtin
+from .call import op_arguments, options_off_default, run_builtin
 from .cuda import CudaBackend
 from .factory import AttentionBackendFactory, _instance
 from .flash import FlashAttnBackend, probe_flash
@@ -72,6 +73,11 @@ def _ensure_probed() -> None:
         _flash_probed = True
 
 
+# What a backend written in Python receives (AttentionBackend.forward); every other option runs
+# only on the built-in backends.
+PYTHON_BACKEND_OPTIONS = ("attn_mask", "is_causal")
+
+
 def attention(
     q,
     k,
@@ -106,12 +112,24 @@ def attention(
     """
     _ensure_probed()
     selection = observe(backend)
+    options = dict(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        window_left=window_left,
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=return_lse,
+    )
     python_backend = selection.python_backend
     if python_backend is not None:
-        if window_left != -1 or softcap is not None or sinks is not None or return_lse:
+        unsupported = [n for n in options_off_default(options) if n not in PYTHON_BACKEND_OPTIONS]
+        if "scale" in unsupported and math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-12):
+            unsupported.remove("scale")  # the scale such a backend applies (1/sqrt(head_dim))
+        if unsupported:
             raise ValueError(
-                f"{type(python_backend).__name__} is written in Python: window_left, softcap, "
-                "sinks and return_lse run only on the built-in backends"
+                f"{type(python_backend).__name__} is written in Python: "
+                f"{', '.join(unsupported)} run only on the built-in backends"
             )
         return python_backend.forward(
             q,
@@ -123,22 +141,7 @@ def attention(
             is_causal=is_causal,
             fwd=fwd,
         )
-    return run_builtin(
-        q,
-        k,
-        v,
-        kv_cache,
-        layer_id,
-        attn_mask,
-        is_causal,
-        fwd,
-        scale,
-        window_left,
-        softcap,
-        sinks,
-        return_lse,
-        selection,
-    )
+    return run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options)
 
 
 def merge_states(out_a, lse_a, out_b, lse_b):
@@ -193,22 +196,16 @@ def explain(
     selection = observe(backend)
     if selection.python_backend is not None:
         return Decision(type(selection.python_backend).__name__, selection.source.name.lower())
-    args = op_arguments(
-        q,
-        k,
-        v,
-        kv_cache,
-        layer_id,
-        attn_mask,
-        is_causal,
-        fwd,
-        scale,
-        window_left,
-        softcap,
-        sinks,
-        return_lse,
-        selection,
+    options = dict(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        window_left=window_left,
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=return_lse,
     )
+    args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     data = json.loads(torch.ops.astr.explain(**args))
     return Decision(
         data["backend"],

@@ -4,7 +4,6 @@ append), so that the C++ resolver makes every choice."""
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import torch
 
@@ -19,28 +18,29 @@ def paged_query_tokens(q):
     return q.reshape(-1, q.shape[-2], q.shape[-1])
 
 
-def op_arguments(
-    q,
-    k,
-    v,
-    kv_cache,
-    layer_id,
-    attn_mask,
-    is_causal,
-    fwd,
-    scale: Optional[float],
-    window_left: int,
-    softcap: Optional[float],
-    sinks: Optional[torch.Tensor],
-    return_lse: bool,
-    selection,
-) -> dict:
+# The attention op's arguments that have defaults, and those defaults, from its schema (the one
+# list: csrc/ops/attention_args.h); return_lse, which only the .lse overload takes, is off.
+_OP_DEFAULTS = {
+    argument.name: argument.default_value
+    for argument in torch.ops.astr.attention.default._schema.arguments
+    if argument.has_default_value()
+}
+_OP_DEFAULTS["return_lse"] = False
+
+
+def _at_default(name: str, value) -> bool:
+    default = _OP_DEFAULTS[name]
+    return value is default or (not isinstance(value, torch.Tensor) and value == default)
+
+
+def op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options: dict) -> dict:
     """The keyword arguments of ``torch.ops.astr.attention`` (``return_lse``: its ``.lse``
-    overload) and of ``torch.ops.astr.explain`` for one Python-API call; ``selection`` is what
-    the call observed (astrai.extension.selection.Selection). A call over ``kv_cache`` passes
-    the step's metadata, layer ``layer_id``'s pools (and FP8 scales), and q as tokens; its k/v
-    are appended by ``run_builtin``, not passed. Arguments at the schema's default are left out:
-    each one passed costs the op's argument parsing time on every call."""
+    overload) and of ``torch.ops.astr.explain`` for one Python-API call. ``selection`` is what
+    the call observed (astrai.extension.selection.Selection); ``options`` the call's other op
+    arguments by name (mask, causality, scale, the variants, return_lse). A call over
+    ``kv_cache`` passes the step's metadata, layer ``layer_id``'s pools (and FP8 scales), and q
+    as tokens; its k/v are appended by ``run_builtin``, not passed. Arguments at the schema's
+    default are left out: each one passed costs the op's argument parsing on every call."""
     if kv_cache is None:
         args = dict(q=q, k=k, v=v, **selection.op_args)
         if fwd is not None:
@@ -66,21 +66,15 @@ def op_arguments(
             k_scale, v_scale = scales(layer_id)
             if k_scale is not None or v_scale is not None:
                 args["k_scale"], args["v_scale"] = k_scale, v_scale
-    if attn_mask is not None:
-        args["attn_mask"] = attn_mask
-    if is_causal is not False:
-        args["is_causal"] = is_causal
-    if scale is not None:
-        args["scale"] = scale
-    if window_left != -1:
-        args["window_left"] = window_left
-    if softcap is not None:
-        args["softcap"] = softcap
-    if sinks is not None:
-        args["sinks"] = sinks
-    if return_lse:  # only .lse takes it (and explain)
-        args["return_lse"] = True
+    for name, value in options.items():
+        if not _at_default(name, value):
+            args[name] = value
     return args
+
+
+def options_off_default(options: dict) -> list:
+    """The names of ``options`` not at the op's defaults."""
+    return [name for name, value in options.items() if not _at_default(name, value)]
 
 
 def check_call(args: dict) -> None:
@@ -96,41 +90,11 @@ def check_call(args: dict) -> None:
         raise RuntimeError(decision["error"])
 
 
-def run_builtin(
-    q,
-    k,
-    v,
-    kv_cache,
-    layer_id,
-    attn_mask,
-    is_causal,
-    fwd,
-    scale: Optional[float],
-    window_left: int,
-    softcap: Optional[float],
-    sinks: Optional[torch.Tensor],
-    return_lse: bool,
-    selection,
-):
-    """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``).
-    Over a KV cache, new k/v are appended once the op's checks have passed, then q attends.
-    Returns out, or (out, lse) when ``return_lse``."""
-    args = op_arguments(
-        q,
-        k,
-        v,
-        kv_cache,
-        layer_id,
-        attn_mask,
-        is_causal,
-        fwd,
-        scale,
-        window_left,
-        softcap,
-        sinks,
-        return_lse,
-        selection,
-    )
+def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
+    """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``;
+    ``options``: as for ``op_arguments``). Over a KV cache, new k/v are appended once the op's
+    checks have passed, then q attends. Returns out, or (out, lse) with ``return_lse``."""
+    args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     if kv_cache is None:
         return torch.ops.astr.attention(**args)
     if k is not None:
@@ -140,7 +104,7 @@ def run_builtin(
             check_call(args)
         kv_cache.append(layer_id, k, v)
     result = torch.ops.astr.attention(**args)
-    if return_lse:
+    if args.get("return_lse", False):
         out, lse = result
         return out.view(*q.shape[:-1], out.shape[-1]), lse.view(q.shape[:-1])
     return result.view(*q.shape[:-1], result.shape[-1])
