@@ -22,9 +22,11 @@ from .backend.attention import (
     merge_states,
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
+from .warning import AstraiWarning
 
 __all__ = [
     "ATTN_BACKEND",
+    "AstraiWarning",
     "AttentionBackend",
     "AttentionBackendFactory",
     "CudaBackend",
