@@ -23,8 +23,8 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
                           const std::optional<at::Tensor>& k_scale,
                           const std::optional<at::Tensor>& v_scale);
 
-// The pools do not overlap in memory (views of one allocation that do not overlap are fine): a
-// write into one would land in the other. Reads no values. Raises naming v_cache.
+// The pools are not the same memory (v_cache a view of k_cache's very elements): every write into
+// one would land in the other. Reads no values. Raises naming v_cache.
 void check_pools_apart(const at::Tensor& k_cache, const at::Tensor& v_cache);
 
 // Value checks that read the tensors (on a GPU a host synchronisation: the CUDA kernel runs them
