@@ -482,12 +482,19 @@ def test_append_kv_refuses_one_tensor_as_both_pools():
     k = torch.randn(1, 1, 8)
     with pytest.raises(RuntimeError, match="^v_cache: the same tensor as k_cache"):
         torch.ops.astr.append_kv(k, k, pool, pool, int32(0))
-    with pytest.raises(RuntimeError, match="^v_cache: overlaps k_cache"):
+    with pytest.raises(RuntimeError, match="^v_cache: the same memory as k_cache"):
         torch.ops.astr.append_kv(k, k, pool, pool.view(2, 2, 1, 8), int32(0))
     assert not pool.any()
     both = torch.zeros(2, 2, 2, 1, 8)  # control: K and V as two halves of one allocation
     torch.ops.astr.append_kv(k, 2 * k, both[0], both[1], int32(3))
     assert torch.equal(both[1].view(-1, 1, 8)[3], 2 * k[0])
+    # control: views whose spans overlap but whose used pages do not (transformers' layout: V
+    # page b is K page b + 1, block ids step by 2)
+    flat = torch.zeros(5 * 2 * 8)
+    k_pages = flat[: 4 * 16].view(4, 2, 1, 8)
+    v_pages = flat[16:].view(4, 2, 1, 8)
+    torch.ops.astr.append_kv(k, 2 * k, k_pages, v_pages, int32(1))
+    assert torch.equal(k_pages[0, 1], k[0]) and torch.equal(v_pages[0, 1], 2 * k[0])
 
 
 def test_attention_over_a_cache_with_v_none_names_v():
