@@ -467,7 +467,7 @@ class ContextParallelCache:
         mine = torch.tensor(signature, dtype=torch.int64, device=self._signature_device)
         parts = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(parts, mine, group=self.group)
-        signatures = [p.tolist() for p in parts]
+        signatures = torch.stack(parts).tolist()  # one read-back
         if all(s[1] == 0 for s in signatures) and all(s == signatures[0] for s in signatures):
             return
         # The failure path: every rank learns every rank's call and refusal, to name them.
