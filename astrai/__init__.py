@@ -2,42 +2,11 @@
 
 from astrai import attention, attn_backend, explain, PagedKVCache, merge_states
 
-The API lives in ``astrai.extension`` (which exports the same objects); importing ``astrai``
-loads the native library.
+The API lives in ``astrai.extension``, whose names this package exports (one list:
+``astrai.extension.__all__``); importing ``astrai`` loads the native library.
 """
 
-from .extension import (
-    ATTN_BACKEND,
-    AttentionBackend,
-    AttentionBackendFactory,
-    CudaBackend,
-    Decision,
-    FlashAttnBackend,
-    KVCacheFullError,
-    PagedKVCache,
-    StepMetadata,
-    TorchNativeBackend,
-    attention,
-    attn_backend,
-    explain,
-    get_backend,
-    merge_states,
-)
+from . import extension as _extension
+from .extension import *  # noqa: F403  (the same objects, under the same names)
 
-__all__ = [
-    "ATTN_BACKEND",
-    "AttentionBackend",
-    "AttentionBackendFactory",
-    "CudaBackend",
-    "Decision",
-    "FlashAttnBackend",
-    "KVCacheFullError",
-    "PagedKVCache",
-    "StepMetadata",
-    "TorchNativeBackend",
-    "attention",
-    "attn_backend",
-    "explain",
-    "get_backend",
-    "merge_states",
-]
+__all__ = list(_extension.__all__)

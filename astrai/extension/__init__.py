@@ -22,9 +22,11 @@ from .backend.attention import (
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
 from .selection import attn_backend, get_backend
+from .warning import AstraiWarning
 
 __all__ = [
     "ATTN_BACKEND",
+    "AstraiWarning",
     "AttentionBackend",
     "AttentionBackendFactory",
     "CudaBackend",

@@ -11,6 +11,9 @@ first): a token is stored as ``fp8(clamp(x / scale, -max, max))`` and read as
 ``stored.float() * scale``. The model stays in bf16/fp16. Set the scales before the first
 tokens are written (``set_scales``, or ``scales_from`` on the first prefill's k/v): a page
 written under one scale is read with whatever the scale is at read time.
+
+Writes never carry autograd history: k/v that require grad (a model run outside
+``torch.no_grad()``) are stored as their values, so a cache never keeps a step's graph alive.
 """
 
 from __future__ import annotations
@@ -67,8 +70,28 @@ class StepMetadata:
         return self
 
 
+# Slots are addressed by an int32 slot mapping (astr::append_kv): slot ids 0 .. 2^31 - 1.
+MAX_POOL_SLOTS = 2**31 - 1
+
+
+@dataclass
+class _PlannedStep:
+    """A step built but not yet taken (PagedKVCache._plan_step)."""
+
+    step: StepMetadata
+    seq_ids: list
+    new_lengths: List[int]
+    pages_of: Dict[object, List[int]]  # every page of each of the step's sequences
+    free_pages: List[int]  # the free list once the step has taken its pages
+
+
 class PagedKVCache:
-    """Per-layer paged K/V pools plus the page allocator and step-metadata builder."""
+    """Per-layer paged K/V pools plus the page allocator and step-metadata builder.
+
+    Not thread-safe: ``begin_step``, ``append``, ``free`` and the scale setters change shared
+    state without a lock. Use one cache per serving loop (one thread or one asyncio task), or
+    serialise the calls yourself.
+    """
 
     def __init__(
         self,
@@ -81,18 +104,31 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         head_dim_v: Optional[int] = None,
     ):
+        num_layers = _as_positive_count("num_layers", num_layers)
+        num_pages = _as_positive_count("num_pages", num_pages)
+        page_size = _as_count("page_size", page_size)
+        num_kv_heads = _as_positive_count("num_kv_heads", num_kv_heads)
+        head_dim = _as_positive_count("head_dim", head_dim)
+        head_dim_v = (
+            head_dim if head_dim_v is None else _as_positive_count("head_dim_v", head_dim_v)
+        )
         if page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(
                 f"page_size: {page_size} not supported (supported: {list(SUPPORTED_PAGE_SIZES)})"
             )
-        if num_pages < 1 or num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
-            raise ValueError("num_layers, num_pages, num_kv_heads, head_dim: must be positive")
+        if num_pages * page_size > MAX_POOL_SLOTS:
+            raise ValueError(
+                f"num_pages: {num_pages} pages of {page_size} slots make a pool of "
+                f"{num_pages * page_size} slots, more than an int32 slot mapping addresses "
+                f"(at most 2^31 - 1 = {MAX_POOL_SLOTS}); use fewer or larger pages"
+            )
+        _check_cache_dtype(dtype)
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.head_dim_v = head_dim_v or head_dim
+        self.head_dim_v = head_dim_v
         self.dtype = dtype
         self.device = torch.device(device)
         shape_k = (num_pages, page_size, num_kv_heads, head_dim)
@@ -124,14 +160,15 @@ class PagedKVCache:
         return len(self._free_pages)
 
     def seq_len(self, seq_id: int) -> int:
-        return self._lengths.get(seq_id, 0)
+        return self._lengths.get(_as_seq_id(seq_id), 0)
 
     def pages_of(self, seq_id: int) -> List[int]:
-        return list(self._pages.get(seq_id, []))
+        return list(self._pages.get(_as_seq_id(seq_id), []))
 
     def free(self, seq_id: int) -> None:
         """Return a finished sequence's pages to the pool. A step that writes to the sequence
         ends with it (``step`` becomes None): its slots may soon belong to another sequence."""
+        seq_id = _as_seq_id(seq_id)
         pages = self._pages.pop(seq_id, None)
         if pages is None:
             raise KeyError(f"seq_id: {seq_id} is not in the cache")
@@ -145,6 +182,7 @@ class PagedKVCache:
         self._step_seq_ids = frozenset()
 
     def layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer_id = _as_count("layer_id", layer_id)
         if not 0 <= layer_id < self.num_layers:
             raise IndexError(f"layer_id: {layer_id} out of range for {self.num_layers} layers")
         return self.k_pools[layer_id], self.v_pools[layer_id]
@@ -159,6 +197,7 @@ class PagedKVCache:
         self.layer(layer_id)  # checks layer_id
         if not self.is_fp8:
             return None, None
+        layer_id = operator.index(layer_id)
         return self.k_scales[layer_id], self.v_scales[layer_id]
 
     def set_scales(self, layer_id: int, k_scale, v_scale) -> None:
@@ -167,9 +206,19 @@ class PagedKVCache:
         if not self.is_fp8:
             raise ValueError(f"set_scales: the cache holds {self.dtype}, not an FP8 dtype")
         self.layer(layer_id)
+        layer_id = operator.index(layer_id)
         new = []
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            tensor = torch.as_tensor(value, dtype=torch.float32)
+            try:
+                # Values only: a scale that requires grad would make every later output do so.
+                if isinstance(value, torch.Tensor):
+                    value = value.detach()
+                tensor = torch.as_tensor(value, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(
+                    f"{name}: expected a float or a float32 [kv_heads={self.num_kv_heads}] "
+                    f"tensor, got {value!r}"
+                ) from None
             if tensor.dim() == 0:
                 tensor = tensor.expand(self.num_kv_heads)
             if tuple(tensor.shape) != (self.num_kv_heads,):
@@ -192,9 +241,16 @@ class PagedKVCache:
             raise ValueError(f"scales_from: the cache holds {self.dtype}, not an FP8 dtype")
         largest = torch.finfo(self.dtype).max
         scales = []
-        for tensor in (k, v):
-            amax = tensor.detach().reshape(-1, self.num_kv_heads, tensor.shape[-1]).abs()
+        for name, tensor, dim in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
+            _check_tokens_shape(name, tensor, self.num_kv_heads, dim)
+            amax = tensor.detach().reshape(-1, self.num_kv_heads, dim).abs()
             amax = amax.amax(dim=(0, 2)).float()
+            bad = ~torch.isfinite(amax)
+            if bool(bad.any()):  # a NaN head would get scale 1 (NaN > 0 is false), inf scale inf
+                heads = bad.nonzero().flatten().tolist()
+                raise ValueError(
+                    f"{name}: kv heads {heads} hold NaN or inf values; no FP8 scale fits them"
+                )
             scales.append(torch.where(amax > 0, amax / largest, torch.ones_like(amax)))
         self.set_scales(layer_id, scales[0], scales[1])
 
@@ -217,6 +273,12 @@ class PagedKVCache:
         """
         self._end_step()
         seq_ids, counts = self._check_step(seq_ids, num_new_tokens)
+        return self._commit_step(self._plan_step(seq_ids, counts, block_table_width))
+
+    def _plan_step(self, seq_ids: list, counts: List[int], block_table_width=None) -> _PlannedStep:
+        """Everything a step of these (checked) sequences and counts needs, built without
+        changing the cache (astrai.distributed commits it only once every rank accepts its
+        own); raises KVCacheFullError or ValueError as begin_step does."""
         page = self.page_size
         new_lengths = [self.seq_len(s) + n for s, n in zip(seq_ids, counts)]
         pages_needed = [-(-length // page) for length in new_lengths]
@@ -277,13 +339,17 @@ class PagedKVCache:
             mode="decode" if all(n == 1 for n in counts) else "prefill",
         )
 
-        self._free_pages = free
-        for seq_id, length in zip(seq_ids, new_lengths):
-            self._pages[seq_id] = pages_of[seq_id]
+        return _PlannedStep(step, seq_ids, new_lengths, pages_of, free)
+
+    def _commit_step(self, planned: _PlannedStep) -> StepMetadata:
+        """Make a planned step the current one: its pages taken, its lengths recorded."""
+        self._free_pages = planned.free_pages
+        for seq_id, length in zip(planned.seq_ids, planned.new_lengths):
+            self._pages[seq_id] = planned.pages_of[seq_id]
             self._lengths[seq_id] = length
-        self.step = step
-        self._step_seq_ids = frozenset(seq_ids)
-        return step
+        self.step = planned.step
+        self._step_seq_ids = frozenset(planned.seq_ids)
+        return planned.step
 
     def _check_step(self, seq_ids, num_new_tokens) -> Tuple[list, List[int]]:
         """The ids as a list and the new-token counts as ints, after checking both; raises,
@@ -294,11 +360,9 @@ class PagedKVCache:
             raise TypeError("seq_ids, num_new_tokens: expected two sequences") from None
         if len(seq_ids) != len(num_new_tokens) or not seq_ids:
             raise ValueError("seq_ids, num_new_tokens: expected two non-empty lists of one length")
-        try:
-            if len(set(seq_ids)) != len(seq_ids):
-                raise ValueError("seq_ids: a sequence appears twice in one step")
-        except TypeError:
-            raise TypeError(f"seq_ids: expected hashable ids, got {seq_ids!r}") from None
+        seq_ids = [_as_seq_id(s) for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("seq_ids: a sequence appears twice in one step")
         counts = [_as_count("num_new_tokens", n) for n in num_new_tokens]
         if any(n < 1 for n in counts):
             raise ValueError("num_new_tokens: every sequence must add at least one token")
@@ -310,11 +374,7 @@ class PagedKVCache:
             raise RuntimeError("kv_cache: call begin_step(...) before appending")
         k_pool, v_pool = self.layer(layer_id)
         for name, tensor, dim in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
-            if tensor.dim() < 2 or tuple(tensor.shape[-2:]) != (self.num_kv_heads, dim):
-                raise ValueError(
-                    f"{name}: expected [..., kv_heads={self.num_kv_heads}, head_dim={dim}], "
-                    f"got shape {tuple(tensor.shape)}"
-                )
+            _check_tokens_shape(name, tensor, self.num_kv_heads, dim)
         step_tokens = self.step.slot_mapping.shape[0]
         for name, tensor in (("k", k), ("v", v)):
             tokens = tensor.numel() // (tensor.shape[-2] * tensor.shape[-1] or 1)
@@ -345,8 +405,16 @@ def tokens_that_fit(
 ) -> int:
     """How many tokens' K and V (every layer) a cache of ``memory_bytes`` holds with elements of
     ``dtype``: an FP8 cache holds twice a bf16 one's (its scales are a few bytes per layer)."""
+    memory_bytes = _as_count("memory_bytes", memory_bytes)
+    if memory_bytes < 0:
+        raise ValueError(f"memory_bytes: expected a count of bytes >= 0, got {memory_bytes}")
+    num_layers = _as_positive_count("num_layers", num_layers)
+    num_kv_heads = _as_positive_count("num_kv_heads", num_kv_heads)
+    head_dim = _as_positive_count("head_dim", head_dim)
+    head_dim_v = head_dim if head_dim_v is None else _as_positive_count("head_dim_v", head_dim_v)
+    _check_cache_dtype(dtype)
     element = torch.empty((), dtype=dtype).element_size()
-    per_token = num_layers * num_kv_heads * (head_dim + (head_dim_v or head_dim)) * element
+    per_token = num_layers * num_kv_heads * (head_dim + head_dim_v) * element
     return memory_bytes // per_token
 
 
@@ -358,3 +426,47 @@ def _as_count(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def _as_positive_count(name: str, value) -> int:
+    count = _as_count(name, value)
+    if count < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {count}")
+    return count
+
+
+def _as_seq_id(seq_id):
+    """A sequence id as the cache keys it: an integer-valued object (a 0-d integer tensor, a
+    numpy int) as its int, so that equal ids are one sequence; other hashables as they are."""
+    if isinstance(seq_id, torch.Tensor):
+        if seq_id.dim() != 0 or seq_id.is_floating_point() or seq_id.is_complex():
+            raise TypeError(f"seq_ids: expected integer ids, got a tensor {seq_id!r}")
+        return int(seq_id)
+    if not isinstance(seq_id, (bool, str)) and hasattr(type(seq_id), "__index__"):
+        return operator.index(seq_id)
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise TypeError(f"seq_ids: expected hashable ids, got {seq_id!r}") from None
+    return seq_id
+
+
+def _check_cache_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype in FP8_DTYPES):
+        raise TypeError(
+            f"dtype: expected a floating-point torch.dtype (or an FP8 one), got {dtype!r}"
+        )
+
+
+def _check_tokens_shape(name: str, tensor, num_kv_heads: int, head_dim: int) -> None:
+    """``tensor`` holds tokens' k or v: a tensor ``[..., kv_heads, head_dim]``."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"{name}: expected a tensor [..., kv_heads={num_kv_heads}, head_dim={head_dim}] of "
+            f"the new tokens, got {type(tensor).__name__}"
+        )
+    if tensor.dim() < 2 or tuple(tensor.shape[-2:]) != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"{name}: expected [..., kv_heads={num_kv_heads}, head_dim={head_dim}], "
+            f"got shape {tuple(tensor.shape)}"
+        )

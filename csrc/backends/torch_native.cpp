@@ -57,8 +57,10 @@ std::tuple<at::Tensor, at::Tensor> attend_with_variants(const at::Tensor& q, con
   if (visible.defined()) scores = scores.masked_fill(visible.logical_not(), -kInf);
 
   // Stable softmax with the sink as one more logit: m = max over keys and sink (a constant for
-  // autograd), sum = sum exp(s - m) + exp(sink - m).
-  at::Tensor top = std::get<0>(scores.max(-1, /*keepdim=*/true));
+  // autograd), sum = sum exp(s - m) + exp(sink - m). Over no keys at all (an empty split) the
+  // max is -inf: out 0, lse -inf or the sink's logit.
+  at::Tensor top = kv_len > 0 ? std::get<0>(scores.max(-1, /*keepdim=*/true))
+                              : at::full({batch, q_heads, q_len, 1}, -kInf, scores.options());
   at::Tensor sink_logits;
   if (sinks) {
     sink_logits = sinks->to(compute).view({1, q_heads, 1, 1});
@@ -235,6 +237,18 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
   valid = valid.logical_and(seq_len.le(capacity)).logical_and(seq_len.ge(q_len));
   valid = valid.logical_and(seq_len.ge(0));
   valid = valid.logical_and(q_len.ge(0)).logical_and(q_len.le(max_q));
+  if (!a.decode()) {
+    // query_start_loc places every token of q only if it runs from 0 to T without decreasing;
+    // otherwise tokens belong to no sequence or to two, and no row of the batch can be trusted.
+    // Checked here too because compiled code runs no host checks (describe_call.cpp skips values
+    // it cannot read while tracing).
+    const at::Tensor starts = a.query_start_loc->to(at::kLong);
+    const at::Tensor placed = starts.select(0, 0)
+                                  .eq(0)
+                                  .logical_and(starts.select(0, batch).eq(tokens))
+                                  .logical_and(q_len.ge(0).all());
+    valid = valid.logical_and(placed);
+  }
   const double nan = std::numeric_limits<double>::quiet_NaN();
   out = at::where(valid.view({batch, 1, 1, 1}), out, at::full({}, nan, out.options()));
   out = out.index({seq_of_token, pos_of_token}).to(q.scalar_type());  // [T, Hq, Dv]

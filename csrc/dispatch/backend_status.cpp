@@ -2,6 +2,37 @@
 
 namespace astr::dispatch {
 
+std::string json_escape(const std::string& text) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (byte < 0x20 || byte == 0x7f) {
+      out += "\\u00";
+      out += kHex[byte >> 4];
+      out += kHex[byte & 0xf];
+    } else {
+      out += c;  // bytes of UTF-8 sequences pass through
+    }
+  }
+  return out;
+}
+
+std::string BackendStatus::to_json() const {
+  std::string json = "{\"available\": ";
+  json += available ? "true" : "false";
+  json += ", \"reason\": \"";
+  json += json_escape(reason);
+  json += "\", \"version\": ";
+  json += std::to_string(version);
+  json += "}";
+  return json;
+}
+
 BackendStatusTable& BackendStatusTable::instance() {
   static BackendStatusTable table;
   return table;

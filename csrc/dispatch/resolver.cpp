@@ -13,26 +13,6 @@ namespace astr::dispatch {
 
 namespace {
 
-std::string json_escape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
-
 std::string source_phrase(SelectionSource source) {
   switch (source) {
     case SelectionSource::kArgument:
@@ -147,13 +127,16 @@ Selection select_backend(const std::string& argument, const std::optional<std::s
     bool first = false;
     {
       std::lock_guard<std::mutex> lock(mutex);
-      first = warned.insert(environment).second;
+      first = warned.count(environment) == 0;
     }
     // Outside the lock: `warn` may wait for Python's GIL, which another thread can hold while it
-    // waits for this lock.
+    // waits for this lock. Marked as given once given: where a warnings filter turns it into an
+    // error, `warn` throws and every later call raises again (not silent after the first).
     if (first && warn != nullptr) {
       warn("ASTR_BACKEND='" + environment + "' is not a backend (valid: " + valid_backend_names() +
            "); ignoring it");
+      std::lock_guard<std::mutex> lock(mutex);
+      warned.insert(environment);
     }
   }
   return {SelectionSource::kDefault, ""};

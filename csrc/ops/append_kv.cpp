@@ -27,6 +27,8 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   check_append_kv_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   ASTR_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
              "k_cache, v_cache: expected contiguous pools on the CPU");
+  check_pools_apart(k_cache, v_cache);
+  check_append_kv_values(slot_mapping, k_scale, v_scale);  // no synchronisation on the CPU
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
   const at::Tensor slot = slot_mapping.to(at::kLong);
   const at::Tensor keep = slot.ge(0);

@@ -1,6 +1,9 @@
 #include "ops/append_kv_checks.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 #include "ops/ops.h"
@@ -85,6 +88,8 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
     ASTR_CHECK(!k_scale && !v_scale, "k_scale, v_scale: only for FP8 pools (these are ",
                k_cache.scalar_type(), ")");
   }
+  ASTR_CHECK(!v_cache.is_same(k_cache),
+             "v_cache: the same tensor as k_cache; K and V need pools of their own");
   // The slot mapping addresses both pools: they must agree in pages, page size and heads.
   ASTR_CHECK(v_cache.sym_size(0) == k_cache.sym_size(0) &&
                  v_cache.sym_size(1) == k_cache.sym_size(1) &&
@@ -99,11 +104,57 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
              size_string(v_cache.sym_size(2)), ", ", size_string(v_cache.sym_size(3)), "]");
   ASTR_CHECK(v.sym_size(0) == k.sym_size(0), "v: ", size_string(v.sym_size(0)), " tokens, k has ",
              size_string(k.sym_size(0)));
+  // An int32 slot_mapping addresses slots 0 .. 2^31 - 1: a larger pool could not be filled.
+  const auto pages = k_cache.sym_size(0).maybe_as_int();
+  const auto page_size = k_cache.sym_size(1).maybe_as_int();
+  if (pages && page_size) {
+    ASTR_CHECK(*pages * *page_size <= kMaxPoolSlots, "k_cache: a pool of ", *pages * *page_size,
+               " slots (", *pages, " pages x ", *page_size,
+               ") is more than an int32 slot_mapping addresses (at most 2^31 - 1 = ", kMaxPoolSlots,
+               " slots)");
+  }
   ASTR_CHECK(slot_mapping.scalar_type() == at::kInt, "slot_mapping: expected dtype int32, got ",
              slot_mapping.scalar_type());
   ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.sym_size(0) == k.sym_size(0),
              "slot_mapping: expected [tokens] = [", size_string(k.sym_size(0)), "], got shape ",
              sizes_string(slot_mapping));
+}
+
+void check_pools_apart(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  // Only the same memory is refused: views whose spans overlap may still never share a slot
+  // (transformers' paged cache interleaves K and V pages: K page b + 1 is V page b, and its block
+  // ids step by 2).
+  ASTR_CHECK(at::get_overlap_status(k_cache, v_cache) != at::MemOverlapStatus::Full,
+             "v_cache: the same memory as k_cache (a view of it); K and V need pools of their "
+             "own");
+}
+
+void check_positive_finite_scale(const at::Tensor& scale, const char* name) {
+  const at::Tensor host = scale.detach().cpu();
+  const bool good = at::logical_and(host > 0, at::isfinite(host)).all().item<bool>();
+  if (good) return;
+  std::string values;
+  const at::Tensor flat = host.contiguous().view(-1);
+  const float* data = flat.data_ptr<float>();
+  for (int64_t i = 0; i < flat.numel(); ++i) values += (i ? ", " : "") + std::to_string(data[i]);
+  ASTR_CHECK_VALUE(false, name, ": expected positive finite FP8 scales, got [", values, "]");
+}
+
+void check_append_kv_values(const at::Tensor& slot_mapping,
+                            const std::optional<at::Tensor>& k_scale,
+                            const std::optional<at::Tensor>& v_scale) {
+  const at::Tensor slots = slot_mapping.cpu().contiguous();
+  const int32_t* slot = slots.data_ptr<int32_t>();
+  std::unordered_map<int32_t, int64_t> first_token;
+  first_token.reserve(static_cast<size_t>(slots.numel()));
+  for (int64_t t = 0; t < slots.numel(); ++t) {
+    if (slot[t] < 0) continue;  // skipped tokens may share any negative value
+    const auto [entry, inserted] = first_token.emplace(slot[t], t);
+    ASTR_CHECK(inserted, "slot_mapping: slot ", slot[t], " appears twice (tokens ", entry->second,
+               " and ", t, "); one step writes each slot once");
+  }
+  if (k_scale) check_positive_finite_scale(*k_scale, "k_scale");
+  if (v_scale) check_positive_finite_scale(*v_scale, "v_scale");
 }
 
 void append_kv_meta(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,

@@ -8,6 +8,7 @@
 #include "kernels/kv_cache/kv_cache.h"
 #include "ops/append_kv_checks.h"
 #include "support/check.h"
+#include "support/kernel_settings.h"
 #include "support/torch_scalar_type.h"
 
 namespace astr {
@@ -56,6 +57,9 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   }
   ASTR_CHECK(k.size(0) <= INT32_MAX, "k: ", k.size(0),
              " tokens is more than one cuda append takes");
+  astr::check_pools_apart(k_cache, v_cache);
+  // Reading slots and scales back is a host synchronisation: the checked mode's (csrc/README.md).
+  if (astr::metadata_checks_enabled()) astr::check_append_kv_values(slot_mapping, k_scale, v_scale);
 
   kernels::AppendKVParams params{};
   params.k = k.data_ptr();

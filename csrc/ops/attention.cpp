@@ -31,11 +31,10 @@ using dispatch::Decision;
 void warn(const std::string& message) { warn_in_python(message); }
 
 // An implicit choice that skipped a backend which is present: say so once per distinct reason.
-// Training calls skipping the cache-only cuda kernels are by design, not a slow path.
+// Training calls skipping the cache-only cuda kernels are by design, not a slow path. Marked as
+// said only once the warning was issued: one a filter turned into an error is raised again.
 void report_fallback(const Decision& decision, const CallDescription& call) {
   if (!decision.fell_back || !decision.chosen || decision.fallback_reported) return;
-  decision.fallback_reported = true;
-  std::string key = std::string("-> ") + dispatch::backend_name(*decision.chosen);
   std::string skipped;
   for (Backend backend : dispatch::kAllBackends) {
     if (backend == *decision.chosen) break;
@@ -45,19 +44,24 @@ void report_fallback(const Decision& decision, const CallDescription& call) {
     if (reasons.empty() || by_design) continue;
     skipped += std::string(" ") + dispatch::backend_name(backend) + " (" + reasons.front() + ")";
   }
-  if (skipped.empty()) return;
-  key += skipped;
+  const std::string key = std::string("-> ") + dispatch::backend_name(*decision.chosen) + skipped;
   static std::mutex mutex;
   static std::set<std::string> reported;
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!reported.insert(key).second) return;
+    if (skipped.empty() || reported.count(key)) {
+      decision.fallback_reported = true;
+      return;
+    }
   }
   const std::string requested =
       decision.selection.name.empty() ? std::string("default") : decision.selection.name;
   warn(std::string("astr.attention: using ") + dispatch::backend_name(*decision.chosen) +
        " (requested: " + requested + ", " +
        dispatch::selection_source_name(decision.selection.source) + "); skipped" + skipped);
+  std::lock_guard<std::mutex> lock(mutex);
+  reported.insert(key);
+  decision.fallback_reported = true;
 }
 
 // True while torch.compile traces: q is a fake or functional tensor.

@@ -107,12 +107,7 @@ std::string backend_status(c10::string_view backend) {
   const std::string name(backend.data(), backend.size());
   const auto parsed = dispatch::parse_backend(name);
   ASTR_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name, "'");
-  const dispatch::BackendStatus status = dispatch::BackendStatusTable::instance().get(*parsed);
-  std::string reason;
-  for (char c : status.reason)
-    reason += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
-  return std::string("{\"available\": ") + (status.available ? "true" : "false") +
-         ", \"reason\": \"" + reason + "\", \"version\": " + std::to_string(status.version) + "}";
+  return dispatch::BackendStatusTable::instance().get(*parsed).to_json();
 }
 
 }  // namespace astr

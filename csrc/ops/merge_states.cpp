@@ -29,18 +29,33 @@ std::tuple<at::Tensor, at::Tensor> merge_states(const at::Tensor& out_a, const a
                      " (out_a's device), got ", t->device());
   }
   const double inf = std::numeric_limits<double>::infinity();
-  // Rescale both to the larger lse; a side that saw nothing (lse -inf) weighs 0.
+  // Rescale both to the larger lse. A side that saw nothing (lse -inf) weighs exactly 0 and its
+  // out is never read (0 x NaN would be NaN: an empty split's out may hold anything). A side of
+  // lse +inf outweighs any finite one: it takes all the weight (both +inf: half each).
   const at::Tensor top = at::maximum(lse_a, lse_b);
+  const at::Tensor infinite_top = top == inf;
   const at::Tensor base = at::where(at::isinf(top), at::zeros_like(top), top).detach();
-  const at::Tensor weight_a = at::exp(lse_a - base), weight_b = at::exp(lse_b - base);
+  auto weight_of = [&](const at::Tensor& lse) {
+    // The exponent is taken where it is finite only, so that no branch of `where` carries an inf
+    // (or its NaN gradient).
+    const at::Tensor exponent = at::where(infinite_top, at::zeros_like(lse), lse - base);
+    return at::where(infinite_top, (lse == inf).to(lse.scalar_type()), at::exp(exponent));
+  };
+  const at::Tensor weight_a = weight_of(lse_a), weight_b = weight_of(lse_b);
   const at::Tensor sum = weight_a + weight_b;
   const at::Tensor seen = sum > 0;
   const at::Tensor safe_sum = at::where(seen, sum, at::ones_like(sum));
   const at::ScalarType compute = out_a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor out = (out_a.to(compute) * (weight_a / safe_sum).unsqueeze(-1).to(compute) +
-                          out_b.to(compute) * (weight_b / safe_sum).unsqueeze(-1).to(compute))
-                             .to(out_a.scalar_type());
-  const at::Tensor lse = at::where(seen, at::log(safe_sum) + base, at::full_like(sum, -inf));
+  auto weighted = [&](const at::Tensor& side, const at::Tensor& weight) {
+    const at::Tensor w = (weight / safe_sum).unsqueeze(-1).to(compute);
+    // Masked before the product: the product's gradient then never multiplies by a NaN.
+    return at::where(w > 0, side.to(compute), at::zeros({}, w.options())) * w;
+  };
+  const at::Tensor out =
+      (weighted(out_a, weight_a) + weighted(out_b, weight_b)).to(out_a.scalar_type());
+  const at::Tensor lse =
+      at::where(infinite_top, at::full_like(sum, inf),
+                at::where(seen, at::log(safe_sum) + base, at::full_like(sum, -inf)));
   return {out, lse};
 }
 

@@ -58,6 +58,13 @@ void append_kv_meta(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
                     const std::optional<at::Tensor>& k_scale,
                     const std::optional<at::Tensor>& v_scale);
 
+// The Autograd kernel (ops/append_kv_autograd.cpp): runs the device kernel below autograd, so k/v
+// that require grad are written as values and the pools never record history.
+void append_kv_autograd(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                        const std::optional<at::Tensor>& k_scale,
+                        const std::optional<at::Tensor>& v_scale);
+
 // Override stack, environment and status: the Python API's handles on csrc/dispatch.
 int64_t push_backend(c10::string_view name);  // -> the entry's id, for pop_backend
 void pop_backend(std::optional<int64_t> id);  // that entry, wherever it is; None: the top

@@ -30,6 +30,8 @@ TORCH_LIBRARY(astr, m) {
   // Meta (and fake tensors): checks only. A real tensor mixed with meta ones dispatches here too,
   // and is refused instead of returning with nothing written.
   m.impl("append_kv", c10::DispatchKey::Meta, TORCH_FN(astr::append_kv_meta));
+  // Autograd (every device): the write runs below autograd, so a cache never holds a graph.
+  m.impl("append_kv", c10::DispatchKey::Autograd, TORCH_FN(astr::append_kv_autograd));
 
   // The cuda backend: our paged prefill/decode kernels (CUDA key only; csrc/backends/cuda), over
   // attention's arguments (paged calls; backend and backend_source are ignored). Returns

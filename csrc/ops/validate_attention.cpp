@@ -3,10 +3,13 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <cfloat>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <string>
 
+#include "ops/append_kv_checks.h"
 #include "ops/attention_args.h"
 #include "support/check.h"
 #include "support/device_arch.h"
@@ -39,6 +42,13 @@ std::string shape_string(const at::Tensor& t) {
     s += std::to_string(t.size(i));
   }
   return s + "]";
+}
+
+// "1e+39", "0.125": a double as printf's %g writes it (std::to_string writes 40 digits of it).
+std::string number_string(double value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", value);
+  return text;
 }
 
 void check_same_device(const at::Tensor& q, const at::Tensor& t, const char* name) {
@@ -160,6 +170,12 @@ void validate_paged_values(const AttentionArgs& a, int64_t num_pages, int64_t pa
     ASTR_CHECK(start[0] == 0, "query_start_loc: must start at 0, got ", start[0]);
     ASTR_CHECK(start[batch] == a.q.size(0), "query_start_loc: last entry ", start[batch],
                " must equal the number of query tokens (q.size(0) = ", a.q.size(0), ")");
+    // Every entry within [0, T] before any difference is taken: an entry near the int32 limits
+    // would otherwise give a length that wraps, blamed on max_query_len.
+    for (int64_t b = 1; b < batch; ++b) {
+      ASTR_CHECK(start[b] >= 0 && start[b] <= a.q.size(0), "query_start_loc: entry ", b, " is ",
+                 start[b], ", outside [0, ", a.q.size(0), "] (the query tokens of q)");
+    }
   }
   for (int64_t b = 0; b < batch; ++b) {
     int64_t q_len = 1;
@@ -170,7 +186,7 @@ void validate_paged_values(const AttentionArgs& a, int64_t num_pages, int64_t pa
     }
     if (!a.decode()) {
       ASTR_CHECK(start != nullptr, "query_start_loc: required for paged prefill");
-      q_len = start[b + 1] - start[b];
+      q_len = static_cast<int64_t>(start[b + 1]) - start[b];
       ASTR_CHECK(q_len >= 0, "query_start_loc: must be non-decreasing, entry ", b + 1, " is ",
                  start[b + 1], " after ", start[b]);
       ASTR_CHECK(q_len <= a.max_query_len, "max_query_len: ", a.max_query_len,
@@ -358,9 +374,13 @@ void validate_variants(const AttentionArgs& a) {
                    "window_left: needs is_causal=True (a query at position p sees keys p - "
                    "window_left .. p), got is_causal=False");
   if (a.softcap) {
+    // The kernels take it as a float32: beyond float32's range it is inf (every score NaN), and
+    // below its smallest normal 0 or a subnormal (s / softcap overflows).
     const double cap = *a.softcap;
-    ASTR_CHECK_VALUE(std::isfinite(cap) && cap > 0.0,
-                     "softcap: expected None or a finite value > 0, got ", cap);
+    ASTR_CHECK_VALUE(std::isfinite(cap) && cap >= FLT_MIN && cap <= FLT_MAX,
+                     "softcap: expected None or a finite value > 0 within float32's range (",
+                     number_string(FLT_MIN), " to ", number_string(FLT_MAX), "), got ",
+                     number_string(cap));
   }
   const int64_t q_heads = q.size(-2);
   if (a.sinks) {
@@ -380,6 +400,13 @@ void validate_variants(const AttentionArgs& a) {
                        name, ": expected a float32 tensor of shape [kv_heads] = [", kv_heads,
                        "], got ", t->scalar_type(), " of shape ", shape_string(*t));
       check_same_device(q, *t, name);
+    }
+    // Their values (a scale of 0, below 0, NaN or inf reads every stored value wrong), where
+    // reading them costs no synchronisation: CPU tensors, or the checked mode.
+    for (auto [t, name] : {std::pair{&*a.k_scale, "k_scale"}, std::pair{&*a.v_scale, "v_scale"}}) {
+      if (has_readable_data(*t) && (t->device().is_cpu() || metadata_checks_enabled())) {
+        check_positive_finite_scale(*t, name);
+      }
     }
   }
 }
@@ -427,6 +454,11 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
   // (rows where every key is -inf) zeros, never an error.
   ASTR_CHECK_VALUE(!a.scale || std::isfinite(*a.scale), "scale: expected a finite number, got ",
                    std::to_string(*a.scale));
+  // Every backend multiplies scores by it in float32 (or folds it into a float32 exponent): past
+  // float32's range it is inf there, and every output NaN.
+  ASTR_CHECK_VALUE(!a.scale || std::abs(*a.scale) <= FLT_MAX,
+                   "scale: expected a number within float32's range (|scale| <= ",
+                   number_string(FLT_MAX), "), got ", number_string(*a.scale));
   if (a.paged()) {
     validate_paged(a);
   } else {

@@ -1,6 +1,8 @@
 #include "support/kernel_settings.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -34,11 +36,27 @@ TuningState& tuning_state() {
   return *state;
 }
 
+// ASTR_CHECK_METADATA's value as a switch: 1/true/yes/on or 0/false/no/off in any case (unset or
+// empty: off). Anything else raises, naming the variable, at every use until it is fixed: a typo
+// must not silently leave the checks off.
+bool checks_from_environment() {
+  const char* env = std::getenv("ASTR_CHECK_METADATA");
+  std::string value = env != nullptr ? env : "";
+  std::transform(value.begin(), value.end(), value.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  for (const char* on : {"1", "true", "yes", "on"})
+    if (value == on) return true;
+  for (const char* off : {"", "0", "false", "no", "off"})
+    if (value == off) return false;
+  ASTR_CHECK_VALUE(false,
+                   "ASTR_CHECK_METADATA: expected 1, true, yes or on (checks on) or 0, "
+                   "false, no or off (checks off), in any case; got '",
+                   env, "'");
+}
+
 std::atomic<bool>& checks_flag() {
-  static std::atomic<bool> flag{[] {
-    const char* env = std::getenv("ASTR_CHECK_METADATA");
-    return env != nullptr && std::string(env) == "1";
-  }()};
+  // A throwing initialiser leaves the static uninitialised: the next use reads the variable again.
+  static std::atomic<bool> flag{checks_from_environment()};
   return flag;
 }
 

@@ -11,7 +11,8 @@ namespace astr {
 // set_kernel_tuning says otherwise.
 astr::kernels::KernelTuning current_kernel_tuning();
 
-// Checked mode (ASTR_CHECK_METADATA=1 at load, or set_metadata_checks(true)): every paged call
+// Checked mode (ASTR_CHECK_METADATA=1, true, yes or on at first use, or set_metadata_checks(true);
+// a value that is no such switch raises, naming the variable): every paged call
 // reads its metadata back to the host and validates it before running (describe_call.cpp), so bad
 // metadata raises an error that names the argument instead of giving NaN rows. A host
 // synchronisation per call: for debugging, not for CUDA-graph capture.

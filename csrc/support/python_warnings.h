@@ -7,10 +7,12 @@
 
 namespace astr {
 
-// A UserWarning, attributed to the Python code that made the call. Without a Python interpreter,
-// a c10 warning. Where a filter turns the warning into an error, throws c10::Error with the same
-// text (a Python exception cannot cross the dispatcher). Call it with no lock held: it may wait
-// for the GIL.
+// An astrai.extension.AstraiWarning (a UserWarning), attributed to the caller's line: the nearest
+// Python frame outside astrai and torch (astrai/extension/warning.py). Without a Python
+// interpreter, a c10 warning. Where a filter turns the warning into an error, throws c10::Error
+// with the same text (a Python exception cannot cross the dispatcher): a caller that warns once
+// marks the warning as given only after this returns. Call it with no lock held: it may wait for
+// the GIL.
 void warn_in_python(const std::string& message);
 
 }  // namespace astr

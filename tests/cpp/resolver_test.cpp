@@ -90,6 +90,18 @@ TEST(SelectBackend, UnknownEnvironmentValueWarnsOnceNamingValidBackends) {
   EXPECT_NE(last_warning.find("cuda, flash, torch_native"), std::string::npos);
 }
 
+void throwing_warning(const std::string&) { throw std::runtime_error("warning as error"); }
+
+TEST(SelectBackend, AWarningThatThrowsIsNotMarkedGiven) {
+  // A warnings filter that makes it an error: every call raises, none is silent after the first.
+  EXPECT_THROW(select_backend("", std::nullopt, "cudab", &throwing_warning), std::runtime_error);
+  EXPECT_THROW(select_backend("", std::nullopt, "cudab", &throwing_warning), std::runtime_error);
+  warnings = 0;
+  select_backend("", std::nullopt, "cudab", &record_warning);
+  select_backend("", std::nullopt, "cudab", &record_warning);
+  EXPECT_EQ(warnings, 1);
+}
+
 TEST(ResolveBackend, DefaultPriorityPicksCudaForPagedDecode) {
   Decision decision = resolve_backend(paged_decode(), {}, all_available());
   ASSERT_TRUE(decision.chosen.has_value());
@@ -165,6 +177,24 @@ TEST(ResolveBackend, DecisionSerialisesToJson) {
   std::string json = decision.to_json();
   EXPECT_NE(json.find("\"backend\": \"cuda\""), std::string::npos);
   EXPECT_NE(json.find("\"source\": \"default\""), std::string::npos);
+}
+
+TEST(Json, EveryControlCharacterIsEscaped) {
+  EXPECT_EQ(json_escape("a\tb\x1b[31m\"q\"\\\x7f\x01\n"),
+            "a\\u0009b\\u001b[31m\\\"q\\\"\\\\\\u007f\\u0001\\u000a");
+  EXPECT_EQ(json_escape("caf\xc3\xa9"), "caf\xc3\xa9");  // UTF-8 passes through
+  const BackendStatus status{false, "import failed:\tred\x1b[0m", 3};
+  EXPECT_EQ(status.to_json(),
+            "{\"available\": false, \"reason\": \"import failed:\\u0009red\\u001b[0m\", "
+            "\"version\": 3}");
+}
+
+TEST(ResolveBackend, AReasonWithControlCharactersStaysValidJson) {
+  auto status = only_torch_native();
+  status[static_cast<int>(Backend::kFlash)].reason = "bad\timport";
+  const std::string json = resolve_backend(paged_decode(), {}, status).to_json();
+  EXPECT_NE(json.find("bad\\u0009import"), std::string::npos);
+  EXPECT_EQ(json.find('\t'), std::string::npos);
 }
 
 TEST(CudaCapability, RejectsWhatTheKernelsCannotRun) {

@@ -30,8 +30,9 @@ namespace astr::kernels {
 // output and its own workspace: a page id outside [0, num_pages) is never read, and the rows of a
 // sequence whose length exceeds its block-table row or is below its new tokens, or that meets
 // such a page id, are written as NaN (variant.cuh, "poison"). In decode a length of 0 is a
-// padding slot: zeros. Rows of a prefill sequence whose query_start_loc range is not inside q, or
-// holds more tokens than max_query_len, may be left unwritten (the grid covers max_query_len).
+// padding slot: zeros. Rows of a prefill sequence whose query_start_loc range holds more tokens
+// than max_query_len are NaN (all of them: query_rows.cuh writes those past the grid), and so is
+// every row of a batch whose query_start_loc does not run from 0 to T without decreasing.
 struct PagedAttentionParams {
   const void* q;           // [T, Hq, D], last dim contiguous, strides multiples of 16 bytes
   int64_t q_stride_token;  // elements between q[t] and q[t + 1]

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../common/dependent_launch.cuh"
 #include "../common/device_primitives.cuh"
 #include "../common/launch_status.h"
 #include "instantiations.h"
@@ -138,6 +139,62 @@ LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedA
   return {};
 }
 
+// What the prefill kernels cannot see from one sequence's metadata (no host check runs in
+// unchecked mode, nor under torch.compile): a query_start_loc that does not run from 0 to T
+// without decreasing places no token for sure (tokens belong to no sequence, or to two), and the
+// tokens of a sequence past max_query_len lie outside the grid (it covers max_query_len rows of
+// each), so no block writes them. One block after every prefill: for such a query_start_loc it
+// waits for the prefill and writes every row of out (and lse) as NaN; otherwise it writes the rows
+// past max_query_len as NaN (prefill_sequence poisons the rest of those sequences), and nothing
+// for valid metadata (B + 1 loads). A kernel of its own, not a step of the prefills: code there
+// took registers from their main loops (ptxas: spills in the warp-specialised and mma.sync ones).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) poison_unplaced_rows_kernel(PagedKernelArgs args) {
+  const PagedAttentionParams& p = args.base;
+  const int32_t* starts = args.query_start_loc;
+  constexpr uint16_t kNan16 = 0x7fff;  // a NaN in both float16 and bfloat16
+  auto poison_rows = [&](int begin, int end, int first, int step) {
+    const int64_t elements = static_cast<int64_t>(end - begin) * p.num_q_heads * p.head_dim;
+    for (int64_t i = first; i < elements; i += step) {
+      const int token = begin + static_cast<int>(i / (p.num_q_heads * p.head_dim));
+      const int head = static_cast<int>(i / p.head_dim % p.num_q_heads);
+      const int64_t at = token * p.out_stride_token + head * p.out_stride_head + i % p.head_dim;
+      static_cast<uint16_t*>(p.out)[at] = kNan16;
+      if (p.lse != nullptr && i % p.head_dim == 0)
+        p.lse[token * p.lse_stride_token + head] = __int_as_float(0x7fc00000);
+    }
+  };
+  bool misplaced = false;
+  for (int b = threadIdx.x; b <= p.num_seqs; b += kThreads) {
+    const int32_t start = starts[b];
+    misplaced |= (b == 0 && start != 0) || (b == p.num_seqs && start != p.num_tokens) ||
+                 (b < p.num_seqs && starts[b + 1] < start);
+  }
+  if (__syncthreads_or(misplaced)) {
+    wait_for_prerequisite_grid();  // the prefill's rows are written: overwrite them
+    poison_rows(0, p.num_tokens, threadIdx.x, kThreads);
+    return;
+  }
+  // Placed: 0 <= starts[b] <= starts[b + 1] <= T. Rows the grid never reaches: no wait needed.
+  for (int b = 0; b < p.num_seqs; ++b) {
+    const int64_t begin = static_cast<int64_t>(starts[b]) + args.max_query_len;
+    if (begin < starts[b + 1])
+      poison_rows(static_cast<int>(begin), starts[b + 1], threadIdx.x, kThreads);
+  }
+}
+
+// Host: launches poison_unplaced_rows_kernel after a prefill: on sm_90 as the prefill's
+// programmatic dependent (it starts as the prefill's blocks end: no launch gap).
+inline LaunchStatus launch_unplaced_rows_poison(const PagedKernelArgs& args, cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  const cudaError_t error =
+      launch_maybe_dependent(poison_unplaced_rows_kernel<kThreads>, dim3(1), dim3(kThreads), 0,
+                             stream, current_device_is_sm90_or_newer(), args);
+  if (error != cudaSuccess)
+    return {std::string("poison_unplaced_rows_kernel: ") + cudaGetErrorString(error)};
+  return {};
+}
+
 // Host: every prefill's launcher. kernel_for(softcap, e5m2) names an instantiation (both
 // std::integral_constant); it launches the one the call needs, by its softcap kind (variant.cuh,
 // softcap_kernel) and, over an FP8 cache (kFp8), its format, over row tiles of block_rows packed
@@ -172,7 +229,9 @@ LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for,
       kernel, smem_bytes, args.base, static_cast<int>(rows), block_rows, 1, &grid);
   if (!prepared.ok()) return prepared;
   kernel<<<grid, threads, smem_bytes, stream>>>(args, extra...);
-  return status_after_launch(name);
+  const LaunchStatus launched = status_after_launch(name);
+  if (!launched.ok()) return launched;
+  return launch_unplaced_rows_poison(args, stream);
 }
 
 }  // namespace astr::kernels
