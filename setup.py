@@ -66,7 +66,7 @@ def extension():
     include_dirs = [os.path.join(ROOT, "csrc")]
     only_head_dim = os.environ.get("ASTR_HEAD_DIM")
     if only_head_dim:
-        macros.append(("ASTRAI_ONLY_HEAD_DIM", str(int(only_head_dim))))
+        macros.append(("ASTR_ONLY_HEAD_DIM", str(int(only_head_dim))))
     if not with_cuda:
         return CppExtension(
             "astrai._C",

@@ -61,14 +61,14 @@ def read_config(path: str = CONFIG):
         QType(m.group(1), m.group(2), "bf16" if "bfloat16" in m.group(2) else "fp16")
         for m in re.finditer(
             r"X\((\w+),\s*([\w:]+),\s*\"[\w]+\"\)",
-            _between(text, "#define ASTRAI_PAGED_Q_TYPES(X)", "\n\n"),
+            _between(text, "#define ASTR_PAGED_Q_TYPES(X)", "\n\n"),
         )
     ]
     kv_kinds = [
         KVKind(m.group(1), None if m.group(2) == "Q" else m.group(2), m.group(3))
         for m in re.finditer(
             r"X\((\w+),\s*([\w:]+),\s*(\w+)\)",
-            _between(text, "#define ASTRAI_PAGED_KV_KINDS(X)", "\n\n"),
+            _between(text, "#define ASTR_PAGED_KV_KINDS(X)", "\n\n"),
         )
     ]
     if not head_dims or not q_types or not kv_kinds:
@@ -76,7 +76,7 @@ def read_config(path: str = CONFIG):
     return head_dims, q_types, kv_kinds
 
 
-# The families that read an FP8 cache themselves (config.h: ASTRAI_PAGED_KV_KINDS; plan.h:
+# The families that read an FP8 cache themselves (config.h: ASTR_PAGED_KV_KINDS; plan.h:
 # prefill_reads_fp8).
 FP8_FAMILIES = ("paged_decode", "paged_prefill", "paged_prefill_wgmma")
 

@@ -66,7 +66,7 @@ std::string kernel_list_json() {
   std::string q_dtypes;
 #define ASTR_Q_DTYPE_NAME(enumerator, type, name) \
   q_dtypes += std::string(q_dtypes.empty() ? "" : ", ") + "\"" + name + "\"";
-  ASTRAI_PAGED_Q_TYPES(ASTR_Q_DTYPE_NAME)
+  ASTR_PAGED_Q_TYPES(ASTR_Q_DTYPE_NAME)
 #undef ASTR_Q_DTYPE_NAME
   return "{\"head_dims\": [" + dims + "], \"q_dtypes\": [" + q_dtypes + "], \"forms\": {" + forms +
          "}}";

@@ -67,7 +67,7 @@ struct WgmmaM64 {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define ASTRAI_HAS_WGMMA 1
+#define ASTR_HAS_WGMMA 1
 #include "wgmma_calls.inc"
 
 // Before the first wgmma that reads registers (accumulators, A) written by ordinary instructions.

@@ -53,7 +53,7 @@ inline constexpr size_t kNumPagedHeadDims = sizeof(kPagedHeadDims) / sizeof(kPag
 
 // q and output element types (16-bit floats; the mma.sync / wgmma operand types).
 //   X(ScalarType enumerator, CUDA type, torch name)
-#define ASTRAI_PAGED_Q_TYPES(X)           \
+#define ASTR_PAGED_Q_TYPES(X)             \
   X(kBFloat16, __nv_bfloat16, "bfloat16") \
   X(kFloat16, __half, "float16")
 
@@ -65,13 +65,13 @@ inline constexpr size_t kNumPagedHeadDims = sizeof(kPagedHeadDims) / sizeof(kPag
 // (csrc/backends/cuda/paged_attention.cu). The other families (the persistent decode, the
 // warp-specialised prefill) are built for q's own type only: the plan keeps FP8 decodes off the
 // persistent form, and FP8 prefills reading the bytes off the warp-specialised one.
-#define ASTRAI_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same) X(kFp8, uint8_t, fp8)
+#define ASTR_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same) X(kFp8, uint8_t, fp8)
 
-// The development build (ASTR_HEAD_DIM=128 at build time: setup.py defines ASTRAI_ONLY_HEAD_DIM)
+// The development build (ASTR_HEAD_DIM=128 at build time: setup.py defines ASTR_ONLY_HEAD_DIM)
 // compiles one head dim; everything that reads the list asks through paged_head_dim_built.
 constexpr bool paged_head_dim_built(int head_dim) {
-#if defined(ASTRAI_ONLY_HEAD_DIM)
-  return head_dim == ASTRAI_ONLY_HEAD_DIM;
+#if defined(ASTR_ONLY_HEAD_DIM)
+  return head_dim == ASTR_ONLY_HEAD_DIM;
 #else
   (void)head_dim;
   return true;

@@ -52,13 +52,13 @@ int current_device_attribute() {
 // is T for a cache of q's dtype, a byte for an FP8 cache.
 template <typename F>
 LaunchStatus dispatch_types(const PagedAttentionParams& p, F&& f) {
-#define ASTRAI_DISPATCH_Q_TYPE(enumerator, type, name)     \
+#define ASTR_DISPATCH_Q_TYPE(enumerator, type, name)       \
   if (p.q_dtype == ScalarType::enumerator) {               \
     if (p.kv_dtype == p.q_dtype) return f(type{}, type{}); \
     if (is_fp8(p.kv_dtype)) return f(type{}, uint8_t{});   \
   }
-  ASTRAI_PAGED_Q_TYPES(ASTRAI_DISPATCH_Q_TYPE)
-#undef ASTRAI_DISPATCH_Q_TYPE
+  ASTR_PAGED_Q_TYPES(ASTR_DISPATCH_Q_TYPE)
+#undef ASTR_DISPATCH_Q_TYPE
   return {
       "unsupported dtypes for paged attention (q: bfloat16 or float16; the cache: q's dtype, "
       "float8_e4m3fn or float8_e5m2)"};

@@ -119,7 +119,7 @@ struct StageBarriers {
   uint64_t k_empty[kStages], v_empty[kStages];  // the consumers' 8 warps arrive
 };
 
-#if defined(ASTRAI_HAS_WGMMA)
+#if defined(ASTR_HAS_WGMMA)
 // The producer's gather (every page size): the warpgroup's 128 threads copy each tile with
 // cp.async, each thread's arrival counted once its copies have landed (the full barriers expect
 // 128). Before its copies, one thread per row puts the row's K and V offsets into the row ring
@@ -244,7 +244,7 @@ template <typename Traits, typename T, Softcap kSoftcap>
 __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     paged_prefill_warp_specialized_kernel(const __grid_constant__ PagedKernelArgs args,
                                           const __grid_constant__ PoolTensorMaps maps) {
-#if defined(ASTRAI_HAS_WGMMA)
+#if defined(ASTR_HAS_WGMMA)
   constexpr int D = Traits::kHeadDim;
   constexpr int kChunks = Traits::kChunksPerRow;
   constexpr int kTileN = Traits::kTileN;

@@ -105,7 +105,7 @@ struct PrefillWgmmaTraits {
 template <typename Traits, typename T, typename KV, Softcap kSoftcap, bool kE5M2>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     paged_prefill_wgmma_kernel(const __grid_constant__ PagedKernelArgs args) {
-#if defined(ASTRAI_HAS_WGMMA)
+#if defined(ASTR_HAS_WGMMA)
   static_assert(sizeof(KV) == Traits::kKVBytes, "traits of this cache");
   constexpr bool kFp8 = Traits::kFp8;
   // The multiplies' operand type: q's, or f16 over an FP8 cache (see top).

@@ -25,7 +25,7 @@
 
 namespace astr::kernels {
 
-#if defined(ASTRAI_HAS_WGMMA)
+#if defined(ASTR_HAS_WGMMA)
 // S = Q K^T of one tile into s, issued (committed as one wgmma group), not waited for. q_rows: the
 // warpgroup's first Q row in a Q tile of kBlockRows rows; k_tile: the K tile of kTileN rows.
 template <typename T, int D, int kTileN, int kBlockRows>
