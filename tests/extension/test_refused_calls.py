@@ -183,3 +183,19 @@ def test_control_an_accepted_call_changes_the_snapshot(dtype):
     if dtype == torch.float32:
         slots = cache.step.slot_mapping.long()
         assert torch.equal(cache.k_pools[1].view(-1, KV_HEADS, HEAD_DIM)[slots], k[0])
+
+
+@pytest.mark.parametrize("missing", ["k", "v"])
+def test_a_paged_call_with_only_one_of_k_and_v_raises_naming_the_other(missing):
+    """``attention(q, None, v, kv_cache=c)`` used to ignore v (and ``(q, k, None)`` raised an
+    AttributeError): both or neither are appended."""
+    cache = PagedKVCache(1, num_pages=4, page_size=4, num_kv_heads=2, head_dim=8)
+    cache.begin_step([0], [3])
+    q = torch.randn(1, 3, 4, 8)
+    kv = {"k": torch.randn(1, 3, 2, 8), "v": torch.randn(1, 3, 2, 8)}
+    kv[missing] = None
+    pools = [p.clone() for p in cache.layer(0)]
+    with pytest.raises(ValueError, match=f"^{missing}: None while"):
+        attention(q, kv["k"], kv["v"], kv_cache=cache, fwd="prefill", is_causal=True)
+    for before, after in zip(pools, cache.layer(0)):
+        assert torch.equal(before, after)
