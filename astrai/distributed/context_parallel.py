@@ -388,22 +388,8 @@ class ContextParallelCache:
         k_tokens = k.reshape(-1, *k.shape[-2:])
         v_tokens = v.reshape(-1, *v.shape[-2:])
         if step.mode == "prefill":  # the chunk over itself: a dense call per sequence
-            start = 0
-            for new in step.new_tokens:
-                end = start + new
-                _refuse_unless_runnable(
-                    torch.ops.astr.explain(
-                        q_tokens[None, start:end],
-                        k_tokens[None, start:end],
-                        v_tokens[None, start:end],
-                        None,
-                        is_causal,
-                        scale,
-                        softcap=softcap,
-                        return_lse=True,
-                    )
-                )
-                start = end
+            for args in self._chunk_calls(q_tokens, k_tokens, v_tokens, is_causal, scale, softcap):
+                _refuse_unless_runnable(torch.ops.astr.explain(**args))
         return dict(
             layer_id=layer_id,
             q_tokens=q_tokens,
@@ -431,24 +417,29 @@ class ContextParallelCache:
             )
         return out, lse
 
-    def _chunk_attention(self, q_tokens, k_tokens, v_tokens, is_causal, scale, softcap):
-        """Each sequence's new tokens over themselves (dense; the same on every rank)."""
-        outs, lses, start = [], [], 0
+    def _chunk_calls(self, q_tokens, k_tokens, v_tokens, is_causal, scale, softcap):
+        """The op's arguments of each sequence's new tokens over themselves (dense)."""
+        start = 0
         for new in self.step.new_tokens:
             end = start + new
-            out, lse = torch.ops.astr.attention(
-                q_tokens[None, start:end],
-                k_tokens[None, start:end],
-                v_tokens[None, start:end],
-                None,
-                is_causal,
-                scale,
+            yield dict(
+                q=q_tokens[None, start:end],
+                k=k_tokens[None, start:end],
+                v=v_tokens[None, start:end],
+                is_causal=is_causal,
+                scale=scale,
                 softcap=softcap,
                 return_lse=True,
             )
+            start = end
+
+    def _chunk_attention(self, q_tokens, k_tokens, v_tokens, is_causal, scale, softcap):
+        """Each sequence's new tokens over themselves (dense; the same on every rank)."""
+        outs, lses = [], []
+        for args in self._chunk_calls(q_tokens, k_tokens, v_tokens, is_causal, scale, softcap):
+            out, lse = torch.ops.astr.attention(**args)
             outs.append(out[0])
             lses.append(lse[0])
-            start = end
         return torch.cat(outs), torch.cat(lses)
 
     # -- collectives ---------------------------------------------------------------------------

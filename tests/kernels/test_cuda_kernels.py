@@ -28,35 +28,9 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
 HEAD_DIMS = ops.BUILD_INFO["paged_kernels"]["head_dims"] if torch.cuda.is_available() else [64, 128]
 
 
-def attention_op(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    seq_lens,
-    query_start_loc,
-    max_query_len,
-    decode,
-    attn_mask=None,
-    is_causal=True,
-    scale=None,
-):
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    out, _ = cuda_op(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        decode,
-        attn_mask,
-        is_causal,
-        scale,
-    )
-    return out
+def attention_op(*args, **kwargs):
+    """The cuda op's output alone (tests/kernels/conftest.py: cuda_op's arguments)."""
+    return cuda_op(*args, **kwargs)[0]
 
 
 def poison_next_allocation(shape, dtype):

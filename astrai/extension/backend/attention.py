@@ -73,6 +73,20 @@ def _ensure_probed() -> None:
         _flash_probed = True
 
 
+def call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse) -> dict:
+    """The op's arguments of an ``attention`` / ``explain`` call beyond its tensors and
+    selection, by name (call.py leaves out those at the schema's defaults)."""
+    return dict(
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+        window_left=window_left,
+        softcap=softcap,
+        sinks=sinks,
+        return_lse=return_lse,
+    )
+
+
 # What a backend written in Python receives (AttentionBackend.forward); every other option runs
 # only on the built-in backends.
 PYTHON_BACKEND_OPTIONS = ("attn_mask", "is_causal")
@@ -112,15 +126,7 @@ def attention(
     """
     _ensure_probed()
     selection = observe(backend)
-    options = dict(
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=scale,
-        window_left=window_left,
-        softcap=softcap,
-        sinks=sinks,
-        return_lse=return_lse,
-    )
+    options = call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse)
     python_backend = selection.python_backend
     if python_backend is not None:
         unsupported = [n for n in options_off_default(options) if n not in PYTHON_BACKEND_OPTIONS]
@@ -196,15 +202,7 @@ def explain(
     selection = observe(backend)
     if selection.python_backend is not None:
         return Decision(type(selection.python_backend).__name__, selection.source.name.lower())
-    options = dict(
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        scale=scale,
-        window_left=window_left,
-        softcap=softcap,
-        sinks=sinks,
-        return_lse=return_lse,
-    )
+    options = call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse)
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     data = json.loads(torch.ops.astr.explain(**args))
     return Decision(

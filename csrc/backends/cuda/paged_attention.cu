@@ -67,14 +67,7 @@ DequantizedPages dequantize_pages(kernels::PagedPrefillParams& params, const Pag
   out.block_table =
       at::arange(pages, args.block_table->options()).view({shape.num_seqs, shape.width});
   kernels::DequantizePagesParams dequantize{};
-  dequantize.k_cache = k_cache.data_ptr();
-  dequantize.v_cache = v_cache.data_ptr();
-  dequantize.k_stride_page = k_cache.stride(0);
-  dequantize.k_stride_slot = k_cache.stride(1);
-  dequantize.k_stride_head = k_cache.stride(2);
-  dequantize.v_stride_page = v_cache.stride(0);
-  dequantize.v_stride_slot = v_cache.stride(1);
-  dequantize.v_stride_head = v_cache.stride(2);
+  point_at_pools(dequantize, k_cache, v_cache);
   dequantize.cache_dtype = params.kv_dtype;
   dequantize.k_scale = params.k_scale;
   dequantize.v_scale = params.v_scale;
@@ -92,14 +85,7 @@ DequantizedPages dequantize_pages(kernels::PagedPrefillParams& params, const Pag
   dequantize.num_pages = shape.num_pages;
   const kernels::LaunchStatus status = kernels::launch_dequantize_pages(dequantize, stream);
   ASTR_CHECK(status.ok(), "cuda_paged_attention: ", status.error);
-  params.k_cache = out.k_pages.data_ptr();
-  params.v_cache = out.v_pages.data_ptr();
-  params.k_stride_page = out.k_pages.stride(0);
-  params.k_stride_slot = out.k_pages.stride(1);
-  params.k_stride_head = out.k_pages.stride(2);
-  params.v_stride_page = out.v_pages.stride(0);
-  params.v_stride_slot = out.v_pages.stride(1);
-  params.v_stride_head = out.v_pages.stride(2);
+  point_at_pools(params, out.k_pages, out.v_pages);
   params.kv_dtype = params.q_dtype;
   params.num_pages = static_cast<int>(pages);
   params.k_scale = params.v_scale = nullptr;

@@ -30,14 +30,7 @@ kernels::PagedAttentionParams paged_attention_params(const AttentionArgs& a,
   p.q_stride_token = q.stride(0);
   p.q_stride_head = q.stride(1);
   p.q_dtype = scalar_type_of(q.scalar_type());
-  p.k_cache = k_cache.data_ptr();
-  p.v_cache = v_cache.data_ptr();
-  p.k_stride_page = k_cache.stride(0);
-  p.k_stride_slot = k_cache.stride(1);
-  p.k_stride_head = k_cache.stride(2);
-  p.v_stride_page = v_cache.stride(0);
-  p.v_stride_slot = v_cache.stride(1);
-  p.v_stride_head = v_cache.stride(2);
+  point_at_pools(p, k_cache, v_cache);
   p.kv_dtype = scalar_type_of(k_cache.scalar_type());
   p.num_pages = static_cast<int>(shape.num_pages);
   p.k_scale = shape.fp8 ? a.k_scale->data_ptr<float>() : nullptr;

@@ -15,6 +15,20 @@ kernels::PagedAttentionParams paged_attention_params(const AttentionArgs& args,
                                                      const PagedCallShape& shape,
                                                      const at::Tensor& out, const at::Tensor& lse);
 
+// Points a parameter struct's pools (k_cache, v_cache and their page, slot and head strides: the
+// paged kernels' and the dequantizing pass's fields) at two [P, S, Hkv, D] pools.
+template <typename Params>
+void point_at_pools(Params& params, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+  params.k_cache = k_pool.data_ptr();
+  params.v_cache = v_pool.data_ptr();
+  params.k_stride_page = k_pool.stride(0);
+  params.k_stride_slot = k_pool.stride(1);
+  params.k_stride_head = k_pool.stride(2);
+  params.v_stride_page = v_pool.stride(0);
+  params.v_stride_slot = v_pool.stride(1);
+  params.v_stride_head = v_pool.stride(2);
+}
+
 kernels::DecodeShape decode_shape(const PagedCallShape& shape, const AttentionArgs& args);
 
 // The K/V one (sequence, kv head) pair may read, for the prefill's block order; the element the
