@@ -3,7 +3,7 @@ PYTHON ?= python3
 MAX_JOBS ?= $(shell nproc)
 export MAX_JOBS
 
-.PHONY: deps install demo info test test-python test-cpp compile-cuda bench format lint clean
+.PHONY: deps install demo info test test-python test-cpp compile-cuda bench tune format lint clean
 
 deps:
 	PYTHON=$(PYTHON) bash scripts/install_deps.sh
@@ -32,6 +32,13 @@ compile-cuda:
 
 bench: install  # BENCH_ARGS="--quick", "--baseline-lib PATH": benchmarks/README.md
 	$(PYTHON) benchmarks/bench_attention.py $(BENCH_ARGS)
+
+# The resolver's measured preferences (csrc/dispatch/preference_table.inc) from benchmark runs of
+# record that timed the cuda and flash backends together: TUNE_RUNS="benchmarks/results/<run>.json".
+TUNE_RUNS ?= benchmarks/results/prefill_fa3_fa4_NVIDIA-H100_2026-12-05_2da085e.json \
+	benchmarks/results/prefill_fa3_fa4_noncausal_NVIDIA-H100_2026-12-05_2da085e.json
+tune:
+	$(PYTHON) benchmarks/tune_preferences.py $(TUNE_RUNS)
 
 format:
 	clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/cpp/*.cpp')

@@ -73,6 +73,9 @@ struct CallDescription {
   Mode mode = Mode::kTraining;
   bool needs_grad = false;
   bool is_causal = false;
+  // floor(log2(max_query_len)) (paged) or of q's length (dense): the length class of the measured
+  // preference table (preferences.h); 0 for a length of 1 or less.
+  int query_len_log2 = 0;
   // Dense calls only: false when q_len != kv_len, where causal alignment conventions differ.
   bool q_len_equals_kv_len = true;
   // Paged calls: why q or the cache pools cannot feed the cuda kernels' 16-byte copies and

@@ -485,6 +485,8 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
   }
   call.mask = mask_form(a.attn_mask);
   call.mode = a.call_mode;
+  const int64_t query_len = a.paged() ? a.max_query_len : a.q.size(1);
+  for (int64_t length = query_len; length > 1; length >>= 1) ++call.query_len_log2;
   call.needs_grad = any_requires_grad(a);
   call.is_causal = a.is_causal;
   call.window = a.window_left >= 0;

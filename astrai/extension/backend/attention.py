@@ -167,6 +167,8 @@ class Decision:
     fell_back: bool = False
     error: str = ""
     rejected: Dict[str, List[str]] = field(default_factory=dict)
+    # The measured preference that ordered a default choice (the run and rows), "" where none did.
+    preference: str = ""
 
     def __str__(self) -> str:
         lines = [
@@ -176,6 +178,8 @@ class Decision:
         ]
         for name, reasons in self.rejected.items():
             lines.append(f"  {name}: " + ("; ".join(reasons) if reasons else "can run it"))
+        if self.preference:
+            lines.append(f"  measured preference: {self.preference}")
         if self.error:
             lines.append(f"  error: {self.error}")
         return "\n".join(lines)
@@ -212,4 +216,5 @@ def explain(
         data["fell_back"],
         data["error"],
         data["reasons"],
+        data["preference"],
     )

@@ -99,9 +99,9 @@ def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
         return torch.ops.astr.attention(**args)
     if (k is None) != (v is None):
         missing, given = ("k", "v") if k is None else ("v", "k")
-        raise ValueError(
-            f"{missing}: None while {given} is given; a call over kv_cache appends both new k "
-            "and v, or neither (both None: attend over what the cache holds)"
+        raise TypeError(
+            f"{missing}: expected a tensor, got None while {given} is given (a call over "
+            "kv_cache appends both new k and v, or neither: both None attend over the cache)"
         )
     if k is not None:
         # While torch.compile traces, the trace itself runs these checks on fake tensors before
