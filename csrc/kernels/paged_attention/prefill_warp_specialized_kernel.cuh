@@ -250,6 +250,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
   constexpr int kTileN = Traits::kTileN;
   constexpr int kStages = Traits::kStages;
   constexpr int kBlockRows = Traits::kBlockRows;
+  allow_dependent_launch();  // the unplaced-rows check (query_rows.cuh) runs beside it
   constexpr int kConsumerWarps = Traits::kConsumers * 4;
   constexpr float kNegInf = -INFINITY;
   // Named barriers (0 is __syncthreads'): the producer warpgroup's; each consumer warpgroup's

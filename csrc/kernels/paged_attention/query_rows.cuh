@@ -175,16 +175,19 @@ __global__ void __launch_bounds__(kThreads) poison_unplaced_rows_kernel(PagedKer
     poison_rows(0, p.num_tokens, threadIdx.x, kThreads);
     return;
   }
-  // Placed: 0 <= starts[b] <= starts[b + 1] <= T. Rows the grid never reaches: no wait needed.
+  // Placed: 0 <= starts[b] <= starts[b + 1] <= T. Rows the grid never reaches: written while the
+  // prefill runs (it allows this launch from its start); then ending only after the prefill, so
+  // that what follows in the stream still follows the prefill.
   for (int b = 0; b < p.num_seqs; ++b) {
     const int64_t begin = static_cast<int64_t>(starts[b]) + args.max_query_len;
     if (begin < starts[b + 1])
       poison_rows(static_cast<int>(begin), starts[b + 1], threadIdx.x, kThreads);
   }
+  wait_for_prerequisite_grid();
 }
 
 // Host: launches poison_unplaced_rows_kernel after a prefill: on sm_90 as the prefill's
-// programmatic dependent (it starts as the prefill's blocks end: no launch gap).
+// programmatic dependent, which the prefills allow from their start (its launch overlaps them).
 inline LaunchStatus launch_unplaced_rows_poison(const PagedKernelArgs& args, cudaStream_t stream) {
   constexpr int kThreads = 128;
   const cudaError_t error =
