@@ -187,9 +187,13 @@ class Demo:
             print(f"  {label}", file=sys.stderr)
         self.synchronize()
         start = _now()
+        config = self.greedy_config(new_tokens)
+        config.eos_token_id = -1  # what continuous batching takes for "none" (else it warns)
         with self.torch.no_grad():
             outputs = model.generate_batch(
-                inputs=prompts, generation_config=self.greedy_config(new_tokens), progress_bar=show
+                inputs=prompts,
+                generation_config=config,
+                progress_bar=show and sys.stderr.isatty(),  # its tqdm redraws even into files
             )
         self.synchronize()
         seconds = _now() - start
