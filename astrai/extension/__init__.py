@@ -20,7 +20,7 @@ from .backend.attention import (
     explain,
     merge_states,
 )
-from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
+from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata, tokens_that_fit
 from .selection import attn_backend, get_backend
 from .warning import AstraiWarning
 
@@ -41,4 +41,5 @@ __all__ = [
     "explain",
     "get_backend",
     "merge_states",
+    "tokens_that_fit",
 ]

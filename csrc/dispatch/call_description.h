@@ -12,31 +12,37 @@
 namespace astr::dispatch {
 
 // The one list of built-in backends, in default priority order (cuda > flash > torch_native):
-//   X(enumerator, name, available at load, reason while unavailable)
-// Everything else derives from it: the enum, names, the status table's first state and the
-// capability rules' table (capability.cpp: one rules function per backend, named <name>_rules).
+//   X(enumerator, name, available at load, reason while unavailable, other names)
+// Everything else derives from it: the enum, names, the status table's first state, the
+// capability rules' table (capability.cpp: one rules function per backend, named <name>_rules)
+// and, through build_info, Python's names (attn_backend("sdpa"), ASTR_BACKEND=sdpa). Other names
+// (comma-separated) are accepted wherever a backend is named and stand for the backend's name.
 // Adding a backend: csrc/README.md.
 #define ASTR_BACKENDS(X)                                                                         \
-  X(kCuda, cuda, false, "library built without CUDA kernels")                                    \
-  X(kFlash, flash, false, "flash-attn not probed yet (astrai.extension probes it on first use)") \
-  X(kTorchNative, torch_native, true, "")
+  X(kCuda, cuda, false, "library built without CUDA kernels", "")                                \
+  X(kFlash, flash, false, "flash-attn not probed yet (astrai.extension probes it on first use)", \
+    "")                                                                                          \
+  X(kTorchNative, torch_native, true, "", "sdpa")
 
 enum class Backend : int {
-#define ASTR_BACKEND_ENUMERATOR(enumerator, name, available, reason) enumerator,
+#define ASTR_BACKEND_ENUMERATOR(enumerator, name, available, reason, aliases) enumerator,
   ASTR_BACKENDS(ASTR_BACKEND_ENUMERATOR)
 #undef ASTR_BACKEND_ENUMERATOR
 };
 constexpr Backend kAllBackends[] = {
-#define ASTR_BACKEND_VALUE(enumerator, name, available, reason) Backend::enumerator,
+#define ASTR_BACKEND_VALUE(enumerator, name, available, reason, aliases) Backend::enumerator,
     ASTR_BACKENDS(ASTR_BACKEND_VALUE)
 #undef ASTR_BACKEND_VALUE
 };
 constexpr int kNumBackends = sizeof(kAllBackends) / sizeof(kAllBackends[0]);
 
 const char* backend_name(Backend backend);
-// "cuda", "flash", "torch_native" -> the backend; anything else -> nullopt.
+// The backend's other names, comma-separated ("sdpa" for torch_native; "" for none).
+const char* backend_aliases(Backend backend);
+// "cuda", "flash", "torch_native" or another name of one ("sdpa") -> the backend; anything else
+// -> nullopt.
 std::optional<Backend> parse_backend(std::string_view name);
-// "cuda, flash, torch_native": for error messages.
+// "cuda, flash, torch_native (or sdpa)": for error messages.
 std::string valid_backend_names();
 
 // The variants a call may ask for (kernels/paged_attention/params.h defines them), and which

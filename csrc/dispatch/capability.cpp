@@ -149,7 +149,7 @@ using Rules = void (*)(const CallDescription&, const BackendStatus&, Checks,
 
 // One rules function per backend, in the list's order (call_description.h: ASTR_BACKENDS).
 constexpr Rules kRules[] = {
-#define ASTR_BACKEND_RULES(enumerator, name, available, reason) &name##_rules,
+#define ASTR_BACKEND_RULES(enumerator, name, available, reason, aliases) &name##_rules,
     ASTR_BACKENDS(ASTR_BACKEND_RULES)
 #undef ASTR_BACKEND_RULES
 };

@@ -117,16 +117,20 @@ const char* selection_source_name(SelectionSource source) {
 
 Selection select_backend(const std::string& argument, const std::optional<std::string>& context_top,
                          const std::string& environment, void (*warn)(const std::string&)) {
+  // A backend's other name ("sdpa") stands for its name from here on.
   if (!argument.empty()) {
-    if (!parse_backend(argument)) {
+    const std::optional<Backend> parsed = parse_backend(argument);
+    if (!parsed) {
       throw std::invalid_argument("backend: unknown attention backend '" + argument +
                                   "' (valid: " + valid_backend_names() + ")");
     }
-    return {SelectionSource::kArgument, argument};
+    return {SelectionSource::kArgument, backend_name(*parsed)};
   }
   if (context_top) return {SelectionSource::kContext, *context_top};
   if (!environment.empty()) {
-    if (parse_backend(environment)) return {SelectionSource::kEnvironment, environment};
+    if (const std::optional<Backend> parsed = parse_backend(environment)) {
+      return {SelectionSource::kEnvironment, backend_name(*parsed)};
+    }
     static std::mutex mutex;
     static std::set<std::string> warned;
     bool first = false;

@@ -146,11 +146,11 @@ at::Tensor attention(const at::Tensor& q ASTR_ATTENTION_PARAMS) {
 
 std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q ASTR_ATTENTION_PARAMS,
                                                       bool return_lse) {
-  ASTR_CHECK_VALUE(return_lse,
-                   "return_lse: attention.lse returns (out, lse); call attention without "
-                   "return_lse for out alone");
-  AttentionArgs args(q ASTR_ATTENTION_FORWARDED, /*return_lse=*/true);
-  return run_attention(args);
+  AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
+  auto [out, lse] = run_attention(args);
+  // return_lse=False: no LSE is computed, and the schema's second tensor is empty.
+  if (!return_lse) lse = at::empty({0}, q.options().dtype(at::kFloat));
+  return {out, lse};
 }
 
 std::string explain(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse) {

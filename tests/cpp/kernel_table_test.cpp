@@ -120,8 +120,7 @@ std::string planned_form(const Row& row, int head_dim) {
     const DecodePlan plan =
         astr::kernels::plan_paged_decode(decode_shape(row.batch, head_dim, fp8), device, {});
     if (!plan.error.empty()) return plan.error;
-    return std::string(astr::kernels::decode_form_name(plan.form)) + " x" +
-           std::to_string(plan.num_splits);
+    return astr::kernels::describe_plan(plan);
   }
   EXPECT_EQ(row.call, "prefill") << row.text;
   std::optional<int64_t> scratch;
@@ -132,9 +131,7 @@ std::string planned_form(const Row& row, int head_dim) {
   const PrefillPlan plan =
       astr::kernels::plan_paged_prefill(head_dim, device, KernelTuning{}, scratch);
   if (!plan.error.empty()) return plan.error;
-  std::string form = astr::kernels::prefill_kernel_name(plan.kernel);
-  if (fp8) form += plan.dequantize_fp8_first ? " on dequantized pages" : " reading FP8";
-  return form;
+  return astr::kernels::describe_plan(plan, fp8);
 }
 
 TEST(KernelTable, EveryRowIsWhatThePlanPicks) {

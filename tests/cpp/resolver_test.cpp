@@ -76,6 +76,18 @@ TEST(SelectBackend, OnlyArgumentAndContextAreStrict) {
   EXPECT_FALSE(select_backend("", std::nullopt, "cuda", nullptr).is_strict());
 }
 
+TEST(SelectBackend, OtherNamesStandForTheBackendsName) {
+  EXPECT_EQ(parse_backend("sdpa"), Backend::kTorchNative);
+  EXPECT_EQ(parse_backend("torch_native"), Backend::kTorchNative);
+  EXPECT_EQ(parse_backend("sdp"), std::nullopt);
+  EXPECT_EQ(parse_backend(""), std::nullopt);
+  EXPECT_EQ(select_backend("sdpa", std::nullopt, "", nullptr).name, "torch_native");
+  EXPECT_EQ(select_backend("", std::nullopt, "sdpa", nullptr).name, "torch_native");
+  EXPECT_EQ(select_backend("", std::nullopt, "sdpa", nullptr).source,
+            SelectionSource::kEnvironment);
+  EXPECT_NE(valid_backend_names().find("torch_native (or sdpa)"), std::string::npos);
+}
+
 TEST(SelectBackend, UnknownArgumentThrows) {
   EXPECT_THROW(select_backend("fast", std::nullopt, "", nullptr), std::invalid_argument);
 }

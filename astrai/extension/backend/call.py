@@ -7,6 +7,11 @@ import json
 
 import torch
 
+from .. import visibility
+
+_visible = visibility.enabled
+_attention_op = torch.ops.astr.attention
+
 
 def paged_query_tokens(q):
     """The query of a call over a KV cache as tokens ``[T, q_heads, head_dim]``."""
@@ -90,13 +95,22 @@ def check_call(args: dict) -> None:
         raise RuntimeError(decision["error"])
 
 
+def run_op(args: dict):
+    """``torch.ops.astr.attention(**args)``: every call of the Python API goes through here, so
+    that the ``astrai`` logger and profiler ranges see it (astrai.extension.visibility; off
+    unless asked for)."""
+    if _visible():
+        return visibility.run_visibly(_attention_op, args)
+    return _attention_op(**args)
+
+
 def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
     """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``;
     ``options``: as for ``op_arguments``). Over a KV cache, new k/v are appended once the op's
     checks have passed, then q attends. Returns out, or (out, lse) with ``return_lse``."""
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     if kv_cache is None:
-        return torch.ops.astr.attention(**args)
+        return run_op(args)
     if (k is None) != (v is None):
         missing, given = ("k", "v") if k is None else ("v", "k")
         raise TypeError(
@@ -109,7 +123,7 @@ def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
         if not torch.compiler.is_compiling():
             check_call(args)
         kv_cache.append(layer_id, k, v)
-    result = torch.ops.astr.attention(**args)
+    result = run_op(args)
     if args.get("return_lse", False):
         out, lse = result
         return out.view(*q.shape[:-1], out.shape[-1]), lse.view(q.shape[:-1])

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "backends/cuda/paged_attention_checks.h"
@@ -94,12 +95,9 @@ DequantizedPages dequantize_pages(kernels::PagedPrefillParams& params, const Pag
   return out;
 }
 
-kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
-                                     const PagedCallShape& shape, const AttentionArgs& args,
-                                     const kernels::DeviceFacts& device,
-                                     const kernels::KernelTuning& tuning, cudaStream_t stream) {
-  kernels::PagedPrefillParams params{};
-  static_cast<kernels::PagedAttentionParams&>(params) = base;
+kernels::PrefillPlan plan_prefill(const PagedCallShape& shape, const AttentionArgs& args,
+                                  const kernels::DeviceFacts& device,
+                                  const kernels::KernelTuning& tuning) {
   const int64_t q_bytes = args.q.element_size();
   // An FP8 cache: the plan says whether its pages are dequantized first (within a scratch limit)
   // or the kernel reads the bytes.
@@ -108,8 +106,17 @@ kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
     scratch_bytes = 2 * shape.num_seqs * shape.width * shape.page_size * shape.num_kv_heads *
                     shape.head_dim * q_bytes;
   }
-  const kernels::PrefillPlan plan = kernels::plan_paged_prefill(
-      base.head_dim, device, tuning, scratch_bytes, prefill_kv_footprint(shape, q_bytes));
+  return kernels::plan_paged_prefill(static_cast<int>(shape.head_dim), device, tuning,
+                                     scratch_bytes, prefill_kv_footprint(shape, q_bytes));
+}
+
+kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
+                                     const PagedCallShape& shape, const AttentionArgs& args,
+                                     const kernels::DeviceFacts& device,
+                                     const kernels::KernelTuning& tuning, cudaStream_t stream) {
+  kernels::PagedPrefillParams params{};
+  static_cast<kernels::PagedAttentionParams&>(params) = base;
+  const kernels::PrefillPlan plan = plan_prefill(shape, args, device, tuning);
   DequantizedPages dequantized;  // alive until the launch is queued
   if (shape.fp8 && plan.error.empty() && plan.dequantize_fp8_first) {
     dequantized = dequantize_pages(params, shape, args, stream);
@@ -141,8 +148,29 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(const at::Tensor& q ASTR
   return {out, lse};
 }
 
+// What the plan picks for this call, as "decode/split x13" or "prefill/warp_specialized" (the
+// kernel table's words, kernels::describe_plan); the plan's error where no form can run it.
+// Computes the plan only: no allocation, no launch.
+std::string cuda_paged_plan(const at::Tensor& q ASTR_ATTENTION_PARAMS) {
+  const AttentionArgs args(q ASTR_ATTENTION_FORWARDED, /*return_lse=*/false);
+  const PagedCallShape shape = check_cuda_paged_call(args);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const kernels::DeviceFacts device = kernels::current_device_facts();
+  const kernels::KernelTuning tuning = current_kernel_tuning();
+  if (args.decode()) {
+    const kernels::DecodePlan plan =
+        kernels::plan_paged_decode(decode_shape(shape, args), device, tuning);
+    return plan.error.empty() ? "decode/" + kernels::describe_plan(plan) : plan.error;
+  }
+  const kernels::PrefillPlan plan = plan_prefill(shape, args, device, tuning);
+  return plan.error.empty() ? "prefill/" + kernels::describe_plan(plan, shape.fp8) : plan.error;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(astr, CUDA, m) { m.impl("cuda_paged_attention", &cuda_paged_attention); }
+TORCH_LIBRARY_IMPL(astr, CUDA, m) {
+  m.impl("cuda_paged_attention", &cuda_paged_attention);
+  m.impl("cuda_paged_plan", &cuda_paged_plan);
+}
 
 }  // namespace astr::backends

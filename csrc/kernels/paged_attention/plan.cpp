@@ -86,6 +86,16 @@ bool parse_int(std::string_view text, int low, int high, int* value) {
 
 }  // namespace
 
+std::string describe_plan(const DecodePlan& plan) {
+  return std::string(decode_form_name(plan.form)) + " x" + std::to_string(plan.num_splits);
+}
+
+std::string describe_plan(const PrefillPlan& plan, bool fp8_cache) {
+  std::string form = prefill_kernel_name(plan.kernel);
+  if (fp8_cache) form += plan.dequantize_fp8_first ? " on dequantized pages" : " reading FP8";
+  return form;
+}
+
 const char* decode_form_name(DecodeForm form) {
   switch (form) {
     case DecodeForm::kAuto:

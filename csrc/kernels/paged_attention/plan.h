@@ -138,6 +138,11 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
 
 const char* decode_form_name(DecodeForm form);
 const char* prefill_kernel_name(PrefillKernel kernel);
+// A plan as csrc/README.md's kernel table writes it: "split x13"; "warp_specialized", and for an
+// FP8 cache "... on dequantized pages" or "... reading FP8". Also what the "astrai" logger and the
+// profiler ranges name (astr::cuda_paged_plan).
+std::string describe_plan(const DecodePlan& plan);
+std::string describe_plan(const PrefillPlan& plan, bool fp8_cache);
 const char* fp8_prefill_name(Fp8Prefill mode);
 const char* prefill_loads_name(PrefillLoads loads);
 
