@@ -87,13 +87,13 @@ def test_tokens_that_fit_sums_the_layers():
 
 
 def test_a_gemma4_like_decode_loop_runs_every_layer_through_one_cache():
-    """Layer 0 slides (head dim 16, window 5), layer 1 is global (head dim 32, one kv head),
-    layer 2 has DeepSeek's unequal q/k and v head dims (24 and 8): a ragged prefill, then decode
-    steps, each layer against the float64 reference over every token so far."""
+    """Gemma 4's shapes: layer 0 slides (head dim 256, window 5), layer 1 is global (head dim
+    512, one kv head); layer 2 has DeepSeek's MHA form (q/k 192, v 128). A ragged prefill, then
+    decode steps, each layer against the float64 reference over every token so far."""
     layers = [
-        dict(kv_heads=2, d=16, dv=16, window_left=4),
-        dict(kv_heads=1, d=32, dv=32, window_left=-1),
-        dict(kv_heads=2, d=24, dv=8, window_left=-1),
+        dict(kv_heads=2, d=256, dv=256, window_left=4),
+        dict(kv_heads=1, d=512, dv=512, window_left=-1),
+        dict(kv_heads=2, d=192, dv=128, window_left=-1),
     ]
     hq, page = 4, 4
     cache = PagedKVCache(
