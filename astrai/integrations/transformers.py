@@ -7,8 +7,11 @@
 ``"astrai"``: every attention call of the model goes through ``astrai.extension.attention``:
 training, ``generate`` with transformers' own cache, padded batches (transformers' boolean mask,
 True = attend) and GQA with the kv heads as they are. The module's scaling, sliding window,
-logit softcap and attention sinks are passed on, and an ``attn_backend(...)`` context of the
-calling thread applies inside the model.
+logit softcap, attention sinks and sparse top-k indices (DeepSeek V3.2, GLM-5) are passed on,
+and an ``attn_backend(...)`` context of the calling thread applies inside the model. Every other
+keyword a model passes is either consumed, refused where set, or listed as carrying no meaning
+for attention (``CONSUMED_KWARGS``, ``REFUSED_KWARGS``, ``NO_MEANING_FOR_ATTENTION``); an
+unknown one raises ``NotImplementedError`` naming it.
 
 ``"paged|astrai"`` (transformers' continuous batching: ``generate_batch`` and the continuous
 batching manager; from transformers 5.19 on the manager keeps the name ``"astrai"``): the new
