@@ -1,9 +1,9 @@
 // The torch_native backend, astrai's reference: composite ATen on the call's device. Plain calls
-// run at::scaled_dot_product_attention; calls with a variant (window, softcap, sinks) or asking
-// for the log-sum-exp write the scores out (attend_with_variants), from the definitions in
-// csrc/kernels/paged_attention/params.h. Everything is expressed with tensor ops: no host
-// synchronisation, so a decode step stays capturable; and everything stays differentiable
-// (CompositeImplicitAutograd), gradients through sinks included.
+// run at::scaled_dot_product_attention; calls with a variant (window, softcap, sinks, top-k
+// indices) or asking for the log-sum-exp write the scores out (attend_with_variants), from the
+// definitions in csrc/kernels/paged_attention/params.h (top-k: csrc/README.md). Everything is
+// expressed with tensor ops: no host synchronisation, so a decode step stays capturable; and
+// everything stays differentiable (CompositeImplicitAutograd), gradients through sinks included.
 #include <ATen/ATen.h>
 
 #include <limits>
@@ -17,7 +17,29 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 bool has_variant(const AttentionArgs& a) {
-  return a.window_left >= 0 || a.softcap.has_value() || a.sinks.has_value() || a.return_lse;
+  return a.window_left >= 0 || a.softcap.has_value() || a.sinks.has_value() || a.return_lse ||
+         a.topk_indices.has_value();
+}
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// The keys each query row lists in topk_indices, [rows, columns] bool (a position listed twice
+// counts once; -1 lists nothing), and the rows that list a position outside their sequence,
+// [rows] bool: the caller writes those rows as NaN (the values are checked only where reading
+// them is free, so an unchecked bad entry must neither be read nor give finite numbers).
+//   indices [rows, topk] int32; kv_len [rows] or a scalar (long): each row's key positions are
+//   [0, kv_len); columns >= every kv_len.
+std::tuple<at::Tensor, at::Tensor> listed_keys(const at::Tensor& indices, const at::Tensor& kv_len,
+                                               int64_t columns) {
+  const at::Tensor index = indices.to(at::kLong);
+  const at::Tensor bound = kv_len.dim() == 0 ? kv_len : kv_len.unsqueeze(-1);
+  const at::Tensor inside = index.ge(0).logical_and(index.lt(bound));
+  const at::Tensor bad = index.ne(-1).logical_and(inside.logical_not()).any(-1);
+  // Unused and bad entries land in one extra column, cut off after the scatter.
+  const at::Tensor target = at::where(inside, index, at::full({}, columns, index.options()));
+  at::Tensor listed = at::zeros({indices.size(0), columns + 1}, index.options().dtype(at::kBool));
+  listed.scatter_(1, target, true);
+  return {listed.slice(1, 0, columns), bad};
 }
 
 // Which keys each query sees, [Lq, Lk] bool: causal (query i at absolute position
@@ -106,6 +128,16 @@ AttentionResult torch_native_dense(const AttentionArgs& a) {
     visible = position_visibility(at::arange(q.size(1), q.options().dtype(at::kLong)), k.size(1),
                                   a.is_causal, a.window_left);
   }
+  at::Tensor bad_rows;  // [B, Lq]: rows whose topk_indices leave the sequence
+  if (a.topk_indices) {
+    const int64_t batch = q.size(0), q_len = q.size(1), kv_len = k.size(1);
+    const at::Tensor indices = a.topk_indices->reshape({batch * q_len, a.topk_indices->size(-1)});
+    auto [listed, bad] =
+        listed_keys(indices, at::scalar_tensor(kv_len, q.options().dtype(at::kLong)), kv_len);
+    listed = listed.view({batch, 1, q_len, kv_len});
+    visible = visible.defined() ? visible.logical_and(listed) : listed;
+    bad_rows = bad.view({batch, q_len});
+  }
   at::Tensor bias;
   if (a.attn_mask) {
     if (a.attn_mask->scalar_type() == at::kBool) {
@@ -116,8 +148,14 @@ AttentionResult torch_native_dense(const AttentionArgs& a) {
   }
   auto [out, lse] = attend_with_variants(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          visible, bias, a.resolved_scale(), a.softcap, a.sinks);
-  return {out.transpose(1, 2).contiguous(),
-          a.return_lse ? lse.transpose(1, 2).contiguous() : at::Tensor()};
+  out = out.transpose(1, 2);  // [B, Lq, Hq, Dv]
+  lse = lse.transpose(1, 2);  // [B, Lq, Hq]
+  if (bad_rows.defined()) {
+    out = at::where(bad_rows.view({q.size(0), q.size(1), 1, 1}), at::full({}, kNaN, out.options()),
+                    out);
+    lse = at::where(bad_rows.unsqueeze(-1), at::full({}, kNaN, lse.options()), lse);
+  }
+  return {out.contiguous(), a.return_lse ? lse.contiguous() : at::Tensor()};
 }
 
 AttentionResult torch_native_paged(const AttentionArgs& a) {
@@ -188,6 +226,17 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
   if (a.window_left >= 0) visible = visible.logical_and(kv >= q_pos - a.window_left);
   visible = visible.expand({batch, max_q, capacity});
 
+  at::Tensor bad_tokens;  // [T]: tokens whose topk_indices leave their sequence
+  if (a.topk_indices) {
+    // Positions within the token's sequence; a decode padding slot (length 0) is zeros anyway.
+    const at::Tensor length = seq_len.index_select(0, seq_of_token);
+    auto [listed, bad] = listed_keys(*a.topk_indices, length, capacity);
+    at::Tensor padded = at::zeros({batch, max_q, capacity}, listed.options());
+    padded.index_put_({seq_of_token, pos_of_token}, listed);
+    visible = visible.logical_and(padded);
+    bad_tokens = a.decode() ? bad.logical_and(length.gt(0)) : bad;
+  }
+
   at::Tensor bias;
   if (a.attn_mask) {
     // The user's [T, K] mask, cut or padded to [T, capacity]; positions >= K are masked.
@@ -249,12 +298,18 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
                                   .logical_and(q_len.ge(0).all());
     valid = valid.logical_and(placed);
   }
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  out = at::where(valid.view({batch, 1, 1, 1}), out, at::full({}, nan, out.options()));
+  out = at::where(valid.view({batch, 1, 1, 1}), out, at::full({}, kNaN, out.options()));
   out = out.index({seq_of_token, pos_of_token}).to(q.scalar_type());  // [T, Hq, Dv]
+  if (bad_tokens.defined()) {
+    out = at::where(bad_tokens.view({tokens, 1, 1}), at::full({}, kNaN, out.options()), out);
+  }
   if (!a.return_lse) return {out, at::Tensor()};
-  lse = at::where(valid.view({batch, 1, 1}), lse, at::full({}, nan, lse.options()));
-  return {out, lse.transpose(1, 2).index({seq_of_token, pos_of_token})};  // [T, Hq]
+  lse = at::where(valid.view({batch, 1, 1}), lse, at::full({}, kNaN, lse.options()));
+  lse = lse.transpose(1, 2).index({seq_of_token, pos_of_token});  // [T, Hq]
+  if (bad_tokens.defined()) {
+    lse = at::where(bad_tokens.view({tokens, 1}), at::full({}, kNaN, lse.options()), lse);
+  }
+  return {out, lse};
 }
 
 }  // namespace astr

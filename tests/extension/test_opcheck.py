@@ -62,9 +62,11 @@ def dense_sample(
     mask=None,
     is_causal=False,
     requires_grad=False,
+    topk=None,
     seed=0,
 ):
-    """(args, kwargs) of one dense astr::attention call; q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]."""
+    """(args, kwargs) of one dense astr::attention call; q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D];
+    with ``topk``, topk_indices [B, Lq, topk] (distinct key positions)."""
     g = generator(seed)
     q = randn(
         batch,
@@ -103,7 +105,13 @@ def dense_sample(
         attn_mask = attn_mask.to(device)
     elif mask == "additive":  # [B, 1, Lq, Lk]
         attn_mask = randn(batch, 1, q_len, kv_len, g=g, dtype=dtype, device=device)
-    return (q, k, v), dict(attn_mask=attn_mask, is_causal=is_causal)
+    kwargs = dict(attn_mask=attn_mask, is_causal=is_causal)
+    if topk is not None:
+        picks = [torch.randperm(kv_len, generator=g)[:topk] for _ in range(batch * q_len)]
+        kwargs["topk_indices"] = (
+            torch.stack(picks).view(batch, q_len, topk).to(device=device, dtype=torch.int32)
+        )
+    return (q, k, v), kwargs
 
 
 DENSE_SAMPLES = {
@@ -116,6 +124,7 @@ DENSE_SAMPLES = {
     "mqa": dict(q_heads=4, kv_heads=1, is_causal=True),
     "grad-f32": dict(requires_grad=True, is_causal=True),
     "grad-f64-gqa-mask": dict(requires_grad=True, dtype=torch.float64, mask="bool"),
+    "grad-topk-causal": dict(requires_grad=True, is_causal=True, topk=3),
 }
 
 
@@ -139,10 +148,10 @@ def paged_step(cache, new_tokens, *, q_heads=4, g, block_table_width=None):
     return q, step
 
 
-def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None):
+def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None, topk_indices=None):
     """(args, kwargs) of a paged astr::attention call over layer 0 of ``cache``."""
     k_pool, v_pool = cache.layer(0)
-    return (q, None, None), dict(
+    kwargs = dict(
         attn_mask=attn_mask,
         is_causal=is_causal,
         k_cache=k_pool,
@@ -153,6 +162,22 @@ def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None):
         max_query_len=step.max_query_len,
         mode=step.mode,
     )
+    if topk_indices is not None:
+        kwargs["topk_indices"] = topk_indices
+    return (q, None, None), kwargs
+
+
+def topk_rows(step, topk, g):
+    """int32 [T, topk]: for each new token, positions within its sequence (-1 where the
+    sequence is shorter than topk)."""
+    lengths = step.seq_lens.tolist()
+    counts = (step.query_start_loc[1:] - step.query_start_loc[:-1]).tolist()
+    rows = []
+    for length, count in zip(lengths, counts):
+        for _ in range(count):
+            row = torch.randperm(length, generator=g)[:topk].tolist()
+            rows.append(row + [-1] * (topk - len(row)))
+    return torch.tensor(rows, dtype=torch.int32, device=step.seq_lens.device)
 
 
 def paged_samples(
@@ -176,8 +201,14 @@ def paged_samples(
     capacity = step.block_table.shape[1] * page_size
     mask = (torch.rand(q.shape[0], capacity, generator=g) > 0.3).to(device)
     samples["prefill-chunk-mask"] = attention_paged_args(q, cache, step, attn_mask=mask)
+    samples["prefill-chunk-topk"] = attention_paged_args(
+        q, cache, step, topk_indices=topk_rows(step, 4, g)
+    )
     q, step = paged_step(cache, {0: 1, 1: 1, 2: 1}, q_heads=q_heads, g=g)
     samples["decode"] = attention_paged_args(q, cache, step)
+    samples["decode-topk"] = attention_paged_args(
+        q, cache, step, topk_indices=topk_rows(step, 3, g)
+    )
     q, step = paged_step(cache, {2: 1, 0: 1}, q_heads=q_heads, g=g)
     samples["decode-noncausal"] = attention_paged_args(q, cache, step, is_causal=False)
     return samples
@@ -206,7 +237,17 @@ def test_dense_attention_passes_opcheck(name):
     torch.library.opcheck(torch.ops.astr.attention.default, args, kwargs, test_utils=ALL_CHECKS)
 
 
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "prefill",
+        "prefill-chunk-mask",
+        "prefill-chunk-topk",
+        "decode",
+        "decode-topk",
+        "decode-noncausal",
+    ],
+)
 def test_paged_attention_passes_opcheck_on_cpu(name):
     args, kwargs = paged_samples()[name]
     torch.library.opcheck(
@@ -214,7 +255,7 @@ def test_paged_attention_passes_opcheck_on_cpu(name):
     )
 
 
-@pytest.mark.parametrize("name", ["prefill", "decode"])
+@pytest.mark.parametrize("name", ["prefill", "decode", "prefill-chunk-topk", "decode-topk"])
 def test_paged_attention_aot_dispatch_on_cpu(name):
     args, kwargs = paged_samples()[name]
     torch.library.opcheck(
