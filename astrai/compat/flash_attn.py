@@ -94,7 +94,7 @@ def _keys_visible(rows_at: torch.Tensor, keys: torch.Tensor, left: int, right: i
     return visible
 
 
-def _selection_args(q: torch.Tensor) -> dict:
+def _selection_args() -> dict:
     selection = observe()
     if selection.python_backend is not None:
         raise NotImplementedError(
@@ -147,7 +147,7 @@ def flash_attn_func(
     _refuse_attn_probs(return_attn_probs)
     left, right = _window(causal, window_size)
     q_len, kv_len = q.shape[1], k.shape[1]
-    args = dict(q=q, k=k, v=v, **_selection_args(q), **_options(softmax_scale, softcap))
+    args = dict(q=q, k=k, v=v, **_selection_args(), **_options(softmax_scale, softcap))
     if right == 0 and q_len == kv_len:  # top-left and bottom-right coincide: the op's own rule
         args["is_causal"] = True
         if left >= 0:
@@ -189,7 +189,7 @@ def _paged_call(
         query_start_loc=query_start_loc,
         max_query_len=max(int(max_query_len), 1),
         mode="decode" if decode else "prefill",
-        **_selection_args(q_tokens),
+        **_selection_args(),
         **_options(softmax_scale, softcap),
     )
     if right == 0:

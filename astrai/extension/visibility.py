@@ -162,7 +162,7 @@ def run_visibly(op, args: dict):
     range named after it. A call the op refuses raises from the op, as it would unobserved."""
     try:
         name = range_name(args)
-    except RuntimeError:  # the op refuses the call: let it raise its own error
+    except Exception:  # explain refuses the call: the op raises its own error (not swallowed)
         return op(**args)
     if not _profiler._is_profiler_enabled:
         return op(**args)
