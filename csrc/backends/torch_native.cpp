@@ -178,13 +178,23 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
   at::Tensor queries = at::zeros({batch, max_q, q_heads, q.size(2)}, q_in.options());
   queries.index_put_({seq_of_token, pos_of_token}, q_in);
 
-  // Visibility [B, max_q, capacity]: inside the sequence, causal from the prefix's end, and the
-  // window. New token i sits at position seq_len - q_len + i.
+  // Visibility [B, max_q, capacity]: inside the sequence, causal from the prefix's end (or the
+  // tree mask's), and the window. New token i sits at position seq_len - q_len + i.
   const at::Tensor kv = kv_pos.view({1, 1, capacity});
-  const at::Tensor q_pos =
-      at::arange(max_q, long_opts).view({1, max_q, 1}) + (seq_len - q_len).view({batch, 1, 1});
+  const at::Tensor first_new = (seq_len - q_len).view({batch, 1, 1});
+  const at::Tensor q_pos = at::arange(max_q, long_opts).view({1, max_q, 1}) + first_new;
   at::Tensor visible = kv < seq_len.view({batch, 1, 1});
-  if (a.is_causal) visible = visible.logical_and(kv <= q_pos);
+  if (a.tree_mask) {
+    // Row t of the tree mask, per sequence [B, max_q, max_q]: column j is the sequence's new token
+    // j, at position first_new + j; the positions before the new tokens stay visible.
+    at::Tensor tree = at::zeros({batch, max_q, max_q}, a.tree_mask->options());
+    tree.index_put_({seq_of_token, pos_of_token}, a.tree_mask->slice(1, 0, max_q));
+    const at::Tensor column = kv - first_new;  // [B, 1, capacity]
+    const at::Tensor named = tree.gather(2, column.clamp(0, max_q - 1).expand({batch, max_q, -1}));
+    visible = visible.logical_and(column.lt(0).logical_or(named.logical_and(column.lt(max_q))));
+  } else if (a.is_causal) {
+    visible = visible.logical_and(kv <= q_pos);
+  }
   if (a.window_left >= 0) visible = visible.logical_and(kv >= q_pos - a.window_left);
   visible = visible.expand({batch, max_q, capacity});
 

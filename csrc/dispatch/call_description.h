@@ -47,7 +47,8 @@ std::string valid_backend_names();
   X(window, "window_left", true, true, true) \
   X(softcap, "softcap", true, true, true)    \
   X(sinks, "sinks", true, false, true)       \
-  X(lse, "return_lse", true, true, true)
+  X(lse, "return_lse", true, true, true)     \
+  X(tree_mask, "tree_mask", true, false, true)
 
 enum class DeviceKind { kCPU, kCUDA, kOther };
 enum class MaskForm { kNone, kBoolean, kAdditive };

@@ -139,10 +139,12 @@ def paged_step(cache, new_tokens, *, q_heads=4, g, block_table_width=None):
     return q, step
 
 
-def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None):
+def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None, tree_mask=None):
     """(args, kwargs) of a paged astr::attention call over layer 0 of ``cache``."""
     k_pool, v_pool = cache.layer(0)
+    extra = {} if tree_mask is None else {"tree_mask": tree_mask}
     return (q, None, None), dict(
+        **extra,
         attn_mask=attn_mask,
         is_causal=is_causal,
         k_cache=k_pool,
@@ -159,7 +161,7 @@ def paged_samples(
     *, dtype=torch.float32, device="cpu", head_dim=16, page_size=4, q_heads=4, kv_heads=2, seed=1
 ):
     """Samples over one cache: a ragged causal prefill, a chunked prefill onto cached tokens
-    with a boolean mask, and decode steps (causal and not)."""
+    with a boolean mask, a verify of trees of drafts, and decode steps (causal and not)."""
     g = generator(seed)
     cache = build_cache(
         page_size=page_size,
@@ -176,6 +178,20 @@ def paged_samples(
     capacity = step.block_table.shape[1] * page_size
     mask = (torch.rand(q.shape[0], capacity, generator=g) > 0.3).to(device)
     samples["prefill-chunk-mask"] = attention_paged_args(q, cache, step, attn_mask=mask)
+    q, step = paged_step(cache, {0: 3, 1: 4}, q_heads=q_heads, g=g)
+    tree = torch.tensor(
+        [
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 0, 0, 0],
+            [0, 1, 0, 0],
+            [1, 1, 1, 0],
+            [0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    samples["verify-tree"] = attention_paged_args(q, cache, step, tree_mask=tree.to(device))
     q, step = paged_step(cache, {0: 1, 1: 1, 2: 1}, q_heads=q_heads, g=g)
     samples["decode"] = attention_paged_args(q, cache, step)
     q, step = paged_step(cache, {2: 1, 0: 1}, q_heads=q_heads, g=g)
@@ -206,7 +222,9 @@ def test_dense_attention_passes_opcheck(name):
     torch.library.opcheck(torch.ops.astr.attention.default, args, kwargs, test_utils=ALL_CHECKS)
 
 
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "prefill-chunk-mask", "verify-tree", "decode", "decode-noncausal"]
+)
 def test_paged_attention_passes_opcheck_on_cpu(name):
     args, kwargs = paged_samples()[name]
     torch.library.opcheck(
@@ -214,7 +232,7 @@ def test_paged_attention_passes_opcheck_on_cpu(name):
     )
 
 
-@pytest.mark.parametrize("name", ["prefill", "decode"])
+@pytest.mark.parametrize("name", ["prefill", "verify-tree", "decode"])
 def test_paged_attention_aot_dispatch_on_cpu(name):
     args, kwargs = paged_samples()[name]
     torch.library.opcheck(
@@ -251,7 +269,9 @@ def test_dense_attention_passes_opcheck_on_cuda(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "prefill-chunk-mask", "verify-tree", "decode", "decode-noncausal"]
+)
 @pytest.mark.parametrize(
     "dtype, head_dim",
     [(torch.float32, 16), (torch.bfloat16, 64), (torch.bfloat16, 128)],
@@ -273,7 +293,9 @@ def test_append_kv_passes_opcheck_on_cuda(dtype, skip_one):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "prefill-chunk-mask", "verify-tree", "decode", "decode-noncausal"]
+)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cuda_paged_attention_passes_opcheck(name, head_dim):
     """The cuda backend's op itself (CUDA kernel + Python fake), bf16."""

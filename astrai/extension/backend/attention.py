@@ -73,7 +73,9 @@ def _ensure_probed() -> None:
         _flash_probed = True
 
 
-def call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse) -> dict:
+def call_options(
+    attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse, tree_mask
+) -> dict:
     """The op's arguments of an ``attention`` / ``explain`` call beyond its tensors and
     selection, by name (call.py leaves out those at the schema's defaults)."""
     return dict(
@@ -84,6 +86,7 @@ def call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, retur
         softcap=softcap,
         sinks=sinks,
         return_lse=return_lse,
+        tree_mask=tree_mask,
     )
 
 
@@ -107,6 +110,7 @@ def attention(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    tree_mask: Optional[torch.Tensor] = None,
 ):
     """Attention over BLHD q/k/v (``[batch, seq_len, heads, head_dim]``).
 
@@ -123,10 +127,19 @@ def attention(
     with no value. ``return_lse=True`` returns ``(out, lse)``: lse float32, out's shape without
     its last dim, the natural log of each row's softmax denominator (sink included; -inf for a
     row that sees no key, whose out is 0). ``merge_states`` combines two such partial results.
+
+    ``tree_mask`` (speculative decoding's verify of a tree of drafts; ``fwd="prefill"`` over
+    ``kv_cache``, ``is_causal=True``): bool ``[T, max_query_len]`` over the step's new tokens,
+    row t for new token t of the step, column j for new token j of that token's own sequence
+    (``kv_cache.step.max_query_len`` columns). A new token sees its sequence's cached prefix and
+    exactly the new tokens its row names (the lower triangle is the causal mask); window,
+    softcap, sinks, lse and an FP8 cache apply as usual. Not with ``attn_mask``.
     """
     _ensure_probed()
     selection = observe(backend)
-    options = call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse)
+    options = call_options(
+        attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse, tree_mask
+    )
     python_backend = selection.python_backend
     if python_backend is not None:
         unsupported = [n for n in options_off_default(options) if n not in PYTHON_BACKEND_OPTIONS]
@@ -196,13 +209,16 @@ def explain(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    tree_mask: Optional[torch.Tensor] = None,
 ) -> Decision:
     """The resolver's decision for a call, without running it (nothing is appended)."""
     _ensure_probed()
     selection = observe(backend)
     if selection.python_backend is not None:
         return Decision(type(selection.python_backend).__name__, selection.source.name.lower())
-    options = call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse)
+    options = call_options(
+        attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse, tree_mask
+    )
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     data = json.loads(torch.ops.astr.explain(**args))
     return Decision(
