@@ -21,6 +21,7 @@ from .backend.attention import (
     merge_states,
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
+from .ops import batch_invariant, set_batch_invariant
 from .selection import attn_backend, get_backend
 from .warning import AstraiWarning
 
@@ -38,7 +39,9 @@ __all__ = [
     "TorchNativeBackend",
     "attention",
     "attn_backend",
+    "batch_invariant",
     "explain",
     "get_backend",
     "merge_states",
+    "set_batch_invariant",
 ]

@@ -4,11 +4,17 @@
 // csrc/kernels/paged_attention/params.h. Everything is expressed with tensor ops: no host
 // synchronisation, so a decode step stays capturable; and everything stays differentiable
 // (CompositeImplicitAutograd), gradients through sinks included.
+//
+// Batch-invariant mode (support/kernel_settings.h) runs paged calls through
+// attend_batch_invariant, whose sums have a fixed order whatever the batch.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <limits>
+#include <vector>
 
 #include "backends/backends.h"
+#include "support/kernel_settings.h"
 
 namespace astr {
 
@@ -75,6 +81,89 @@ std::tuple<at::Tensor, at::Tensor> attend_with_variants(const at::Tensor& q, con
   const at::Tensor probs = (weights / safe_sum).view({batch, kv_heads, group * q_len, kv_len});
   at::Tensor out = at::matmul(probs, v.to(compute)).view({batch, q_heads, q_len, v.size(3)});
   at::Tensor lse = at::where(seen, at::log(safe_sum) + top, at::full_like(sum, -kInf));
+  return {out.to(q.scalar_type()), lse.squeeze(-1).to(at::kFloat)};
+}
+
+// The sum over dim `dim` as a halving tree of elementwise adds over its length rounded up to a
+// power of two (zeros appended). Each element's sum is then the same additions in the same order
+// whatever the tensor's other sizes, and whatever zeros follow its values: a longer length only
+// adds levels that add zero, where a library's reduction (or matmul) may block, split or
+// vectorise by the sizes of the whole tensor. (x + 0 is x but for -0, which becomes +0: the
+// caller adds +0 to its result so that both read +0.)
+at::Tensor tree_sum(at::Tensor x, int64_t dim) {
+  if (dim < 0) dim += x.dim();
+  int64_t width = 1;
+  while (width < x.size(dim)) width *= 2;
+  if (width != x.size(dim)) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[dim] = width - x.size(dim);
+    x = at::cat({x, at::zeros(shape, x.options())}, dim);
+  }
+  while (width > 1) {
+    width /= 2;
+    x = x.narrow(dim, 0, width) + x.narrow(dim, width, width);
+  }
+  return x.squeeze(dim);
+}
+
+// attend_with_variants' arithmetic with every sum in an order fixed by the positions alone, so
+// that a row's result is the same bits whatever the batch around it: the batch size, the
+// sequence's place in it, the block table's width (zeros past the sequence's length) and the
+// query rows padding the shorter sequences (max_query_len). Matmuls, SDPA and sum reductions
+// pick their blocking and vectorisation by the whole tensor's sizes (on the CPU a matmul's rows
+// differ with their count), so they are not used: q . k is added up over d = 0, 1, ..., D - 1,
+// and the sums over kv positions are halving trees (tree_sum). Everything else is elementwise or
+// a max, whose results do not depend on the order. Costs several times the plain path.
+//   q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], visible [B, 1, Lq, Lk], bias as
+//   attend_with_variants'. Returns out [B, Hq, Lq, Dv] in q's dtype and lse [B, Hq, Lq] float32.
+std::tuple<at::Tensor, at::Tensor> attend_batch_invariant(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v,
+                                                          const at::Tensor& visible,
+                                                          const at::Tensor& bias, double scale,
+                                                          std::optional<double> softcap,
+                                                          const std::optional<at::Tensor>& sinks) {
+  const at::ScalarType compute = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t batch = q.size(0), q_heads = q.size(1), q_len = q.size(2);
+  const int64_t kv_heads = k.size(1), kv_len = k.size(2), group = q_heads / kv_heads;
+  const int64_t rows = group * q_len;
+  // Dims last-but-one first: [D, B, Hkv, rows, 1] and [D, B, Hkv, 1, Lk], read one d at a time.
+  const at::Tensor qd =
+      q.to(compute).reshape({batch, kv_heads, rows, q.size(3)}).permute({3, 0, 1, 2}).unsqueeze(-1);
+  const at::Tensor kd = k.to(compute).permute({3, 0, 1, 2}).unsqueeze(-2);
+  at::Tensor dot = qd[0] * kd[0];
+  for (int64_t d = 1; d < q.size(3); ++d) dot = dot + qd[d] * kd[d];
+  at::Tensor scores = (dot * scale).view({batch, q_heads, q_len, kv_len});
+  if (softcap) scores = at::tanh(scores / *softcap) * *softcap;
+  if (bias.defined()) scores = scores + bias.to(compute);
+  scores = scores.masked_fill(visible.logical_not(), -kInf);
+
+  at::Tensor top = kv_len > 0 ? std::get<0>(scores.max(-1, /*keepdim=*/true))
+                              : at::full({batch, q_heads, q_len, 1}, -kInf, scores.options());
+  at::Tensor sink_logits;
+  if (sinks) {
+    sink_logits = sinks->to(compute).view({1, q_heads, 1, 1});
+    top = at::maximum(top, sink_logits.expand_as(top));
+  }
+  top = at::where(at::isinf(top), at::zeros_like(top), top).detach();
+  const at::Tensor weights = at::exp(scores - top);
+  at::Tensor sum = tree_sum(weights, -1).unsqueeze(-1);
+  if (sinks) sum = sum + at::exp(sink_logits - top);
+  const at::Tensor seen = sum > 0;
+  const at::Tensor safe_sum = at::where(seen, sum, at::ones_like(sum));
+
+  // O = sum_j w_j v_j, d by d in pieces of a few million products.
+  const at::Tensor w = weights.view({batch, kv_heads, rows, kv_len, 1});
+  const at::Tensor vd = v.to(compute).unsqueeze(2);  // [B, Hkv, 1, Lk, Dv]
+  const int64_t per_d = std::max<int64_t>(1, batch * kv_heads * rows * kv_len);
+  const int64_t piece = std::clamp<int64_t>((int64_t{1} << 22) / per_d, 1, v.size(3));
+  std::vector<at::Tensor> columns;
+  for (int64_t d = 0; d < v.size(3); d += piece) {
+    const int64_t n = std::min(piece, v.size(3) - d);
+    columns.push_back(tree_sum(w * vd.narrow(-1, d, n), 3));
+  }
+  at::Tensor out = at::cat(columns, -1).view({batch, q_heads, q_len, v.size(3)});
+  out = out / safe_sum + 0.0;  // + 0: -0 (all products +-0) reads +0 whatever the width
+  const at::Tensor lse = at::where(seen, at::log(safe_sum) + top, at::full_like(sum, -kInf));
   return {out.to(q.scalar_type()), lse.squeeze(-1).to(at::kFloat)};
 }
 
@@ -223,7 +312,11 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
   }
 
   at::Tensor out, lse;
-  if (!has_variant(a)) {
+  if (batch_invariant_enabled()) {
+    std::tie(out, lse) = attend_batch_invariant(queries.transpose(1, 2), keys.transpose(1, 2),
+                                                values.transpose(1, 2), visible.unsqueeze(1), bias,
+                                                a.resolved_scale(), a.softcap, a.sinks);
+  } else if (!has_variant(a)) {
     const at::Tensor sdpa_mask = bias.defined() ? bias : visible.unsqueeze(1);
     out = at::scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2),
                                            values.transpose(1, 2), sdpa_mask, /*dropout_p=*/0.0,

@@ -7,6 +7,8 @@ import json
 
 import torch
 
+from .. import ops
+
 
 def paged_query_tokens(q):
     """The query of a call over a KV cache as tokens ``[T, q_heads, head_dim]``."""
@@ -90,6 +92,13 @@ def check_call(args: dict) -> None:
         raise RuntimeError(decision["error"])
 
 
+def _observe_batch_invariance() -> bool:
+    """Batch-invariant mode as the Python side holds it (ops._BatchInvariance). Branched on, so
+    that torch.compile guards on it (a value it only loads, it does not): a graph traced in one
+    mode recompiles in the other, since the torch_native backend decomposes at trace time."""
+    return True if ops._BatchInvariance.enabled else False
+
+
 def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
     """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``;
     ``options``: as for ``op_arguments``). Over a KV cache, new k/v are appended once the op's
@@ -97,6 +106,7 @@ def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     if kv_cache is None:
         return torch.ops.astr.attention(**args)
+    _observe_batch_invariance()
     if (k is None) != (v is None):
         missing, given = ("k", "v") if k is None else ("v", "k")
         raise ValueError(
