@@ -394,8 +394,13 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     const int begins[2] = {first_row.begin, second_row.begin};
     const int limits[2] = {first_row.limit, second_row.limit};
     auto seen = [&](int half) {
-      if (rows_read_masks(p)) return row_visibility(p, seq, range, thread_row + half * 8);
-      return RowVisibility{begins[half], limits[half], nullptr, 0};
+      RowVisibility row{begins[half], limits[half], nullptr, 0};
+      if (rows_read_masks(p)) {
+        const RowVisibility masked = row_visibility(p, seq, range, thread_row + half * 8);
+        row.mask_row = masked.mask_row;
+        row.mask_from = masked.mask_from;
+      }
+      return row;
     };
     auto softmax = [&](int tile, float (&alpha)[2]) {
       softmax_tile_seen<kTileN, kSoftcap>(s_acc, unmasked, transform, seen, lane_col,

@@ -131,9 +131,12 @@ __device__ __forceinline__ UnmaskedTiles unmasked_tiles(const PagedAttentionPara
 }
 
 // What one query row sees of a tile: positions in [begin, limit) where its mask row, if any, is
-// true from mask_from on (mask_row[pos - mask_from]). The user's mask row covers every position
-// (mask_from 0); a tree mask's row covers the sequence's new tokens (mask_from = first_pos, and
-// limit stops at its last column), the cached prefix before them staying visible.
+// true from mask_from on (mask_row[pos], pos >= mask_from). The user's mask row covers every
+// position (mask_from 0); a tree mask's row covers the sequence's new tokens (mask_from =
+// first_pos, mask_row offset back by it, and limit stops at its last column), the cached prefix
+// before them staying visible. (Offset, so that the loop over a tile's scores subtracts nothing:
+// the warp-specialised prefill spilled with the subtraction. Only positions >= mask_from are read
+// through it, all inside the row.)
 struct RowVisibility {
   int begin, limit;
   const bool* mask_row;  // null without a mask
@@ -152,7 +155,8 @@ __device__ __forceinline__ RowVisibility row_visibility(const PagedAttentionPara
   if (p.attn_mask != nullptr) {
     v.mask_row = p.attn_mask + (int64_t)(s.q_start + token) * p.mask_stride_token;
   } else if (p.tree_mask != nullptr) {
-    v.mask_row = p.tree_mask + (int64_t)(s.q_start + token) * p.tree_mask_stride_token;
+    v.mask_row =
+        p.tree_mask + ((int64_t)(s.q_start + token) * p.tree_mask_stride_token - s.first_pos);
     v.mask_from = s.first_pos;
     // Columns past the mask's width are never read (a sequence with more new tokens than
     // max_query_len is poisoned, and its rows still run).
@@ -167,7 +171,7 @@ __device__ __forceinline__ bool rows_read_masks(const PagedAttentionParams& p) {
 }
 __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
   bool keep = pos >= v.begin && pos < v.limit;
-  if (v.mask_row != nullptr && keep && pos >= v.mask_from) keep = v.mask_row[pos - v.mask_from];
+  if (v.mask_row != nullptr && keep && pos >= v.mask_from) keep = v.mask_row[pos];
   return keep;
 }
 
