@@ -102,4 +102,12 @@ struct PagedDecodeParams : PagedAttentionParams {
   float* workspace;               // plan.workspace_floats floats, or null when the plan needs none
 };
 
+// Verify: a prefill-mode call of a few new tokens per sequence (speculative decoding's drafts)
+// run by the decode forms, whose rows pack (new token, q head) as the prefill's do, so that one
+// block's K/V tiles serve several drafts (plan.h: prefill_runs_as_verify).
+struct PagedVerifyParams : PagedDecodeParams {
+  const int32_t* query_start_loc;  // [B + 1] int32 prefix sums of new-token counts
+  int max_query_len;               // host upper bound of new tokens per sequence (sizes the grid)
+};
+
 }  // namespace astr::kernels
