@@ -306,9 +306,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     if (owner(i) != rank || row >= num_rows) continue;
     const int c = item_column(i) * 4;
     const float4 acc = item_o[i];
-    // Row (new token, q head of the group): a decode's token is its sequence's.
-    const int token = verify ? seq.q_start + row / group : seq_index;
-    const int head = kv_head * group + (verify ? row % group : row);
+    // Row (new token, q head of the group); a decode's one token is q_start = its sequence's.
+    const int token = seq.q_start + row / group;
+    const int head = kv_head * group + row % group;
     if (args.num_splits == 1 || pair_merge) {
       const FinishedRow finished = finish_row(item_m[i], item_l[i], sink_log2(p, head));
       const float inv = finished.inv * scales.v;
