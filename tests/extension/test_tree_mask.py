@@ -329,3 +329,13 @@ def test_the_flash_backend_refuses_it_and_the_others_take_it():
         "flash": False,
         "torch_native": True,
     }
+
+
+def test_explain_and_the_python_api_accept_what_the_op_accepts_with_a_loose_bound():
+    """max_query_len may be any bound at or above the longest sequence's new tokens, and one past
+    the call's token count counts as that count: a tree mask as wide as the tokens passes explain
+    (the Python API's check before appending) as it passes the op."""
+    args = base_args(max_query_len=100, tree_mask=torch.ones(7, 7, dtype=torch.bool))
+    assert '"backend": "torch_native"' in torch.ops.astr.explain(**args)
+    out = torch.ops.astr.attention(**args)
+    assert out.shape == (7, 2, 8)
