@@ -22,6 +22,10 @@ h // (Hq / Hkv). Which keys a row sees:
   only the keys its row lists (-1 lists nothing; a position listed twice counts once), of those
   the rest of the rules allow. Dense rows list positions along k's length; paged rows list
   positions within the query's sequence.
+- paged, `tree_mask` [T, >= max_query_len] (bool, with `is_causal`): new token i of a sequence of
+  length L with n new tokens sees positions < L - n (its cached prefix) and new token j (position
+  L - n + j) where its row's column j is true, in place of the causal edge; the window still
+  applies.
 
 An FP8 cache reads as `stored.float() * scale` (one float32 scale per kv head) and stores
 `fp8(clamp(x / scale, -max, max))`.
@@ -148,16 +152,23 @@ def sequence_reference(
     sinks=None,
     return_lse: bool = False,
     topk_indices=None,
+    tree_mask=None,
 ):
     """One sequence of a paged call: q [n, Hq, D] its new tokens, k/v [L, Hkv, D] all its tokens
     (cached and new); attn_mask [n, K] its rows of the call's mask; topk_indices [n, topk] its
-    rows (positions 0 .. L - 1). -> out [n, Hq, Dv] (and lse [n, Hq]), float64."""
+    rows (positions 0 .. L - 1); tree_mask [n, >= n] its rows of the call's tree mask. -> out
+    [n, Hq, Dv] (and lse [n, Hq]), float64."""
     new, length = q.shape[0], k.shape[0]
     device = q.device
     positions = torch.arange(length - new, length, device=device)[:, None]
     keys = torch.arange(length, device=device)[None, :]
     visible = torch.ones(new, length, dtype=torch.bool, device=device)
-    if is_causal:
+    if tree_mask is not None:
+        named = torch.zeros(new, length, dtype=torch.bool, device=device)
+        named[:, : length - new] = True  # the cached prefix
+        named[:, length - new :] = tree_mask[:, :new].to(device)
+        visible &= named
+    elif is_causal:
         visible &= keys <= positions
     if window_left >= 0:
         visible &= keys >= positions - window_left
@@ -221,10 +232,12 @@ def paged_reference(
     v_scale=None,
     return_lse: bool = False,
     topk_indices=None,
+    tree_mask=None,
 ):
     """The paged call: q [T, Hq, D] packs each sequence's new tokens (query_start_loc [B+1], None
     for a decode: one each); k_cache/v_cache [P, S, Hkv, D] (FP8 with k_scale/v_scale [Hkv]);
-    block_table [B, W]; seq_lens [B]; attn_mask [T, K]; topk_indices [T, topk]. -> out
+    block_table [B, W]; seq_lens [B]; attn_mask [T, K]; topk_indices [T, topk]; tree_mask
+    [T, >= max new tokens]. -> out
     [T, Hq, Dv] (and lse [T, Hq]), float64 on q's device."""
     lengths = torch.as_tensor(seq_lens).tolist()
     if query_start_loc is None:
@@ -252,6 +265,7 @@ def paged_reference(
             sinks=sinks,
             return_lse=True,
             topk_indices=None if topk_indices is None else topk_indices[rows],
+            tree_mask=None if tree_mask is None else tree_mask[rows],
         )
         outs.append(out)
         lses.append(lse)
@@ -270,3 +284,33 @@ def assert_close_to_reference(out, ref, dtype=None):
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out).all(), "output holds NaN or inf"
     torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=tolerance)
+
+
+def tree_of_drafts(parents):
+    """The tree mask of one sequence's drafts [n, n] (bool): parents[i] is the draft that draft i
+    follows (-1: the cached prefix's last token), each parent before its child; draft i sees
+    itself and its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        assert parent < i, "a draft follows an earlier draft"
+        mask[i, i] = True
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def random_tree_parents(n, generator=None):
+    """Parents of a random tree of n drafts (tree_of_drafts): draft i follows one of the drafts
+    before it, or the prefix."""
+    return [int(torch.randint(-1, i, (), generator=generator)) if i > 0 else -1 for i in range(n)]
+
+
+def pack_tree_masks(trees, width):
+    """The call's tree mask [T, width] from each sequence's [n, n] tree, rows in q's order."""
+    rows = []
+    for tree in trees:
+        padded = torch.zeros(tree.shape[0], width, dtype=torch.bool)
+        padded[:, : tree.shape[1]] = tree
+        rows.append(padded)
+    return torch.cat(rows)

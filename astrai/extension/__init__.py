@@ -21,6 +21,7 @@ from .backend.attention import (
     merge_states,
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata, tokens_that_fit
+from .ops import batch_invariant, set_batch_invariant
 from .selection import attn_backend, get_backend
 from .warning import AstraiWarning
 
@@ -38,8 +39,10 @@ __all__ = [
     "TorchNativeBackend",
     "attention",
     "attn_backend",
+    "batch_invariant",
     "explain",
     "get_backend",
     "merge_states",
     "tokens_that_fit",
+    "set_batch_invariant",
 ]

@@ -125,6 +125,37 @@ def set_metadata_checks(enabled: bool) -> None:
     torch.ops.astr.set_metadata_checks(enabled)
 
 
+class _BatchInvariance:
+    """The Python side's copy of the batch-invariant switch (the C++ one is the truth), which
+    the API reads on every paged call so that torch.compile guards on it: the torch_native
+    backend is decomposed when a graph is traced, so a graph traced in one mode must not run in
+    the other."""
+
+    enabled: bool = False
+
+
+# ASTR_BATCH_INVARIANT is read here, at load (a value that is no switch raises, naming it).
+_BatchInvariance.enabled = bool(torch.ops.astr.batch_invariant())
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Batch-invariant mode: every paged call's output rows (and lse) for a sequence are the
+    same bits whatever the batch around it (the other sequences, its position, the batch size),
+    for decode, verify and prefill, on the cuda and torch_native backends, eagerly and under
+    CUDA-graph replay. Off by default (``ASTR_BATCH_INVARIANT=1`` turns it on at load); what it
+    costs: README.md, "Serving engines". Process-wide. Compiled code through
+    ``astrai.attention`` recompiles when it changes (not direct ``torch.ops.astr`` calls)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
+    torch.ops.astr.set_batch_invariant(enabled)
+    _BatchInvariance.enabled = enabled
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on (``set_batch_invariant``)."""
+    return bool(torch.ops.astr.batch_invariant())
+
+
 def backend_status(name: str) -> dict:
     return json.loads(torch.ops.astr.backend_status(name))
 

@@ -50,12 +50,13 @@ std::string valid_backend_names();
 // rules pass a backend by for a variant it lacks, and a backend's own op refuses it
 // (validate_variant_args). One column per backend, in ASTR_BACKENDS' order:
 //   X(CallDescription field, the op's argument, cuda, flash, torch_native)
-#define ASTR_VARIANTS(X)                     \
-  X(window, "window_left", true, true, true) \
-  X(softcap, "softcap", true, true, true)    \
-  X(sinks, "sinks", true, false, true)       \
-  X(lse, "return_lse", true, true, true)     \
-  X(topk, "topk_indices", false, false, true)
+#define ASTR_VARIANTS(X)                      \
+  X(window, "window_left", true, true, true)  \
+  X(softcap, "softcap", true, true, true)     \
+  X(sinks, "sinks", true, false, true)        \
+  X(lse, "return_lse", true, true, true)      \
+  X(topk, "topk_indices", false, false, true) \
+  X(tree_mask, "tree_mask", true, false, true)
 
 enum class DeviceKind { kCPU, kCUDA, kOther };
 enum class MaskForm { kNone, kBoolean, kAdditive };

@@ -154,7 +154,10 @@ std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q ASTR_A
 }
 
 std::string explain(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse) {
-  const AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
+  AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
+  // As run_attention bounds it, so that explain accepts what attention accepts (a tree mask's
+  // width is checked against the bound).
+  args.max_query_len = bounded_max_query_len(args.q, args.k_cache, args.max_query_len);
   return decide(args, validate_and_describe(args)).to_json();
 }
 

@@ -14,7 +14,8 @@
 //   X(name, schema type, schema default, C++ parameter type)
 // Shapes: dense q [B,Lq,Hq,D], k [B,Lk,Hkv,D], v [B,Lk,Hkv,Dv], mask broadcastable to
 // [B,Hq,Lq,Lk], topk_indices [B,Lq,k]; paged q [T,Hq,D], pools [P,S,Hkv,D] / [P,S,Hkv,Dv],
-// mask [T,K], topk_indices [T,k].
+// mask [T,K], topk_indices [T,k], tree_mask [T, max_query_len] (which new tokens of its own
+// sequence each new token sees).
 #define ASTR_ATTENTION_ARGS(X)                                                                   \
   X(k, "Tensor?", "=None", const std::optional<at::Tensor>&)         /* dense only */            \
   X(v, "Tensor?", "=None", const std::optional<at::Tensor>&)         /* dense only */            \
@@ -35,7 +36,8 @@
   X(sinks, "Tensor?", "=None", const std::optional<at::Tensor>&)        /* float32 [Hq] */       \
   X(k_scale, "Tensor?", "=None", const std::optional<at::Tensor>&)      /* FP8: float32 [Hkv] */ \
   X(v_scale, "Tensor?", "=None", const std::optional<at::Tensor>&)      /* FP8: float32 [Hkv] */ \
-  X(topk_indices, "Tensor?", "=None", const std::optional<at::Tensor>&) /* int32 [T,k] */
+  X(topk_indices, "Tensor?", "=None", const std::optional<at::Tensor>&) /* int32 [T,k] */        \
+  X(tree_mask, "Tensor?", "=None", const std::optional<at::Tensor>&)    /* bool [T, max_q] */
 
 // ", Tensor? k=None, ...": the list as schema text, to follow "Tensor q".
 #define ASTR_ATTENTION_SCHEMA_ARG(name, type, default_value, cpp_type) \

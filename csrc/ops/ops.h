@@ -82,5 +82,9 @@ void set_kernel_tuning(c10::string_view tuning);
 std::string kernel_tuning();
 void set_metadata_checks(bool enabled);
 bool metadata_checks();
+// Batch-invariant mode (csrc/support/kernel_settings.h): a sequence's rows of a paged call do not
+// depend on the batch around it.
+void set_batch_invariant(bool enabled);
+bool batch_invariant();
 
 }  // namespace astr

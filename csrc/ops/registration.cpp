@@ -49,6 +49,10 @@ TORCH_LIBRARY(astr, m) {
   // on with ASTR_CHECK_METADATA=1).
   m.def("set_metadata_checks(bool enabled) -> ()", &astr::set_metadata_checks);
   m.def("metadata_checks() -> bool", &astr::metadata_checks);
+  // Batch-invariant mode: a sequence's rows of a paged call are the same bits whatever the batch
+  // around it (on with ASTR_BATCH_INVARIANT=1).
+  m.def("set_batch_invariant(bool enabled) -> ()", &astr::set_batch_invariant);
+  m.def("batch_invariant() -> bool", &astr::batch_invariant);
 
   // The flash backend's entry points. Their kernels are registered from Python by the flash
   // probe (astrai/extension/backend/flash_ops.py), wrapping the flash-attn package's own API,

@@ -427,6 +427,35 @@ void validate_topk_indices(const AttentionArgs& a) {
   }
 }
 
+// A tree mask (params.h has the definition): which new tokens of its own sequence each new token
+// of a paged prefill sees, the cached prefix staying visible. It replaces the causal triangle among
+// the new tokens, so it needs is_causal (a non-causal call has no prefix to keep) and excludes
+// attn_mask (whose [T, K] rows can spell out a tree themselves: two masks would have to agree on
+// which one decides). At least max_query_len columns: column j is the sequence's new token j (a
+// bound past the call's token count counts as that count, so a wider mask is fine).
+void validate_tree_mask(const AttentionArgs& a) {
+  const at::Tensor& q = a.q;
+  const at::Tensor& tree = *a.tree_mask;
+  ASTR_CHECK_VALUE(a.paged() && a.call_mode == Mode::kPrefill,
+                   "tree_mask: only for paged calls with mode='prefill' (several new tokens per "
+                   "sequence over k_cache), got a ",
+                   a.paged() ? "decode" : "dense", " call");
+  ASTR_CHECK_VALUE(a.is_causal,
+                   "tree_mask: needs is_causal=True (the tree takes the place of the causal "
+                   "triangle among a sequence's new tokens; its cached prefix stays visible), got "
+                   "is_causal=False");
+  ASTR_CHECK_VALUE(!a.attn_mask,
+                   "tree_mask, attn_mask: give one of them (an attn_mask [tokens, kv_positions] "
+                   "can spell out a tree over the kv positions itself)");
+  const bool shaped = tree.scalar_type() == at::kBool && tree.dim() == 2 &&
+                      tree.sym_size(0) == q.sym_size(0) && tree.sym_size(1) >= a.max_query_len;
+  ASTR_CHECK_VALUE(shaped, "tree_mask: expected a bool tensor [tokens, max_query_len] = [",
+                   size_string(q.sym_size(0)), ", ", a.max_query_len,
+                   "] (row t: which new tokens of its sequence token t sees), got ",
+                   tree.scalar_type(), " of shape ", shape_string(tree));
+  check_same_device(q, tree, "tree_mask");
+}
+
 // The variants' arguments (their meaning: csrc/kernels/paged_attention/params.h; topk_indices:
 // csrc/README.md), and the FP8 cache's scales. Whether a backend implements them is the
 // capability rules' question.
@@ -457,6 +486,7 @@ void validate_variants(const AttentionArgs& a) {
         sinks.scalar_type(), " of shape ", shape_string(sinks));
     check_same_device(q, sinks, "sinks");
   }
+  if (a.tree_mask) validate_tree_mask(a);
   ASTR_CHECK_VALUE(a.k_scale.has_value() == a.v_scale.has_value(),
                    "k_scale, v_scale: give both or neither");
   if (a.k_scale) {
@@ -485,6 +515,7 @@ void describe_variants(const AttentionArgs& a, CallDescription& call) {
   call.sinks = a.sinks.has_value();
   call.lse = a.return_lse;
   call.topk = a.topk_indices.has_value();
+  call.tree_mask = a.tree_mask.has_value();
 }
 
 bool any_requires_grad(const AttentionArgs& a) {

@@ -148,7 +148,9 @@ def paged_step(cache, new_tokens, *, q_heads=4, g, block_table_width=None):
     return q, step
 
 
-def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None, topk_indices=None):
+def attention_paged_args(
+    q, cache, step, *, is_causal=True, attn_mask=None, topk_indices=None, tree_mask=None
+):
     """(args, kwargs) of a paged astr::attention call over layer 0 of ``cache``."""
     k_pool, v_pool = cache.layer(0)
     kwargs = dict(
@@ -164,6 +166,8 @@ def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None, topk
     )
     if topk_indices is not None:
         kwargs["topk_indices"] = topk_indices
+    if tree_mask is not None:
+        kwargs["tree_mask"] = tree_mask
     return (q, None, None), kwargs
 
 
@@ -184,7 +188,7 @@ def paged_samples(
     *, dtype=torch.float32, device="cpu", head_dim=16, page_size=4, q_heads=4, kv_heads=2, seed=1
 ):
     """Samples over one cache: a ragged causal prefill, a chunked prefill onto cached tokens
-    with a boolean mask, and decode steps (causal and not)."""
+    with a boolean mask, a verify of trees of drafts, and decode steps (causal and not)."""
     g = generator(seed)
     cache = build_cache(
         page_size=page_size,
@@ -204,6 +208,20 @@ def paged_samples(
     samples["prefill-chunk-topk"] = attention_paged_args(
         q, cache, step, topk_indices=topk_rows(step, 4, g)
     )
+    q, step = paged_step(cache, {0: 3, 1: 4}, q_heads=q_heads, g=g)
+    tree = torch.tensor(
+        [
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 0, 0, 0],
+            [0, 1, 0, 0],
+            [1, 1, 1, 0],
+            [0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    samples["verify-tree"] = attention_paged_args(q, cache, step, tree_mask=tree.to(device))
     q, step = paged_step(cache, {0: 1, 1: 1, 2: 1}, q_heads=q_heads, g=g)
     samples["decode"] = attention_paged_args(q, cache, step)
     samples["decode-topk"] = attention_paged_args(
@@ -243,6 +261,7 @@ def test_dense_attention_passes_opcheck(name):
         "prefill",
         "prefill-chunk-mask",
         "prefill-chunk-topk",
+        "verify-tree",
         "decode",
         "decode-topk",
         "decode-noncausal",
@@ -255,7 +274,9 @@ def test_paged_attention_passes_opcheck_on_cpu(name):
     )
 
 
-@pytest.mark.parametrize("name", ["prefill", "decode", "prefill-chunk-topk", "decode-topk"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "verify-tree", "decode", "prefill-chunk-topk", "decode-topk"]
+)
 def test_paged_attention_aot_dispatch_on_cpu(name):
     args, kwargs = paged_samples()[name]
     torch.library.opcheck(
@@ -292,7 +313,9 @@ def test_dense_attention_passes_opcheck_on_cuda(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "prefill-chunk-mask", "verify-tree", "decode", "decode-noncausal"]
+)
 @pytest.mark.parametrize(
     "dtype, head_dim",
     [(torch.float32, 16), (torch.bfloat16, 64), (torch.bfloat16, 128)],
@@ -314,7 +337,9 @@ def test_append_kv_passes_opcheck_on_cuda(dtype, skip_one):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "prefill-chunk-mask", "verify-tree", "decode", "decode-noncausal"]
+)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cuda_paged_attention_passes_opcheck(name, head_dim):
     """The cuda backend's op itself (CUDA kernel + Python fake), bf16."""

@@ -74,7 +74,15 @@ def _ensure_probed() -> None:
 
 
 def call_options(
-    attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse, topk_indices
+    attn_mask,
+    is_causal,
+    scale,
+    window_left,
+    softcap,
+    sinks,
+    return_lse,
+    topk_indices,
+    tree_mask,
 ) -> dict:
     """The op's arguments of an ``attention`` / ``explain`` call beyond its tensors and
     selection, by name (call.py leaves out those at the schema's defaults)."""
@@ -87,6 +95,7 @@ def call_options(
         sinks=sinks,
         return_lse=return_lse,
         topk_indices=topk_indices,
+        tree_mask=tree_mask,
     )
 
 
@@ -119,6 +128,7 @@ def attention(
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     topk_indices: Optional[torch.Tensor] = None,
+    tree_mask: Optional[torch.Tensor] = None,
 ):
     """Attention over BLHD q/k/v (``[batch, seq_len, heads, head_dim]``).
 
@@ -140,6 +150,13 @@ def attention(
     length), q's leading dims plus ``topk`` over a cache (positions within the row's sequence,
     0 .. seq_len - 1); -1 marks an unused entry, a position listed twice counts once, and the
     row sees exactly the listed keys that its mask, causality and window also allow.
+
+    ``tree_mask`` (speculative decoding's verify of a tree of drafts; ``fwd="prefill"`` over
+    ``kv_cache``, ``is_causal=True``): bool ``[T, max_query_len]`` over the step's new tokens,
+    row t for new token t of the step, column j for new token j of that token's own sequence
+    (``kv_cache.step.max_query_len`` columns). A new token sees its sequence's cached prefix and
+    exactly the new tokens its row names (the lower triangle is the causal mask); window,
+    softcap, sinks, lse and an FP8 cache apply as usual. Not with ``attn_mask``.
     """
     _ensure_probed()
     selection = observe(backend)
@@ -152,6 +169,7 @@ def attention(
         sinks,
         return_lse,
         _topk_rows(topk_indices, kv_cache),
+        tree_mask,
     )
     python_backend = selection.python_backend
     if python_backend is not None:
@@ -227,6 +245,7 @@ def explain(
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
     topk_indices: Optional[torch.Tensor] = None,
+    tree_mask: Optional[torch.Tensor] = None,
 ) -> Decision:
     """The resolver's decision for a call, without running it (nothing is appended)."""
     _ensure_probed()
@@ -242,6 +261,7 @@ def explain(
         sinks,
         return_lse,
         _topk_rows(topk_indices, kv_cache),
+        tree_mask,
     )
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     data = json.loads(torch.ops.astr.explain(**args))

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from .. import visibility
+from .. import ops, visibility
 
 _visible = visibility.enabled
 _attention_op = torch.ops.astr.attention
@@ -104,6 +104,13 @@ def run_op(args: dict):
     return _attention_op(**args)
 
 
+def _observe_batch_invariance() -> bool:
+    """Batch-invariant mode as the Python side holds it (ops._BatchInvariance). Branched on, so
+    that torch.compile guards on it (a value it only loads, it does not): a graph traced in one
+    mode recompiles in the other, since the torch_native backend decomposes at trace time."""
+    return True if ops._BatchInvariance.enabled else False
+
+
 def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
     """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``;
     ``options``: as for ``op_arguments``). Over a KV cache, new k/v are appended once the op's
@@ -111,6 +118,7 @@ def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     if kv_cache is None:
         return run_op(args)
+    _observe_batch_invariance()
     if (k is None) != (v is None):
         missing, given = ("k", "v") if k is None else ("v", "k")
         raise TypeError(

@@ -186,13 +186,16 @@ __global__ void __launch_bounds__(kThreads) poison_unplaced_rows_kernel(PagedKer
   wait_for_prerequisite_grid();
 }
 
-// Host: launches poison_unplaced_rows_kernel after a prefill: on sm_90 as the prefill's
-// programmatic dependent, which the prefills allow from their start (its launch overlaps them).
-inline LaunchStatus launch_unplaced_rows_poison(const PagedKernelArgs& args, cudaStream_t stream) {
+// Host: launches poison_unplaced_rows_kernel after a prefill (or a verify): on sm_90 as the
+// prefill's programmatic dependent (it starts as the prefill's blocks end: no launch gap), unless
+// `dependent` is false (the kernel before it writes rows past max_query_len too: the verify's merge
+// kernel).
+inline LaunchStatus launch_unplaced_rows_poison(const PagedKernelArgs& args, cudaStream_t stream,
+                                                bool dependent = true) {
   constexpr int kThreads = 128;
   const cudaError_t error =
       launch_maybe_dependent(poison_unplaced_rows_kernel<kThreads>, dim3(1), dim3(kThreads), 0,
-                             stream, current_device_is_sm90_or_newer(), args);
+                             stream, dependent && current_device_is_sm90_or_newer(), args);
   if (error != cudaSuccess)
     return {std::string("poison_unplaced_rows_kernel: ") + cudaGetErrorString(error)};
   return {};
