@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -41,6 +40,7 @@ import torch
 
 from astrai.extension import StepMetadata, attention, attn_backend
 from astrai.extension.selection import task_backends
+from astrai.extension.warning import warn
 
 try:
     import transformers
@@ -728,11 +728,10 @@ def _check_version() -> None:
     version = Version(transformers.__version__)
     low, high = (Version(bound.lstrip("<>=")) for bound in TESTED_TRANSFORMERS)
     if not low <= version < high:
-        warnings.warn(
+        warn(
             f"astrai.integrations.transformers is tested with transformers "
             f"{','.join(TESTED_TRANSFORMERS)}, found {transformers.__version__}; dense attention "
-            "should work, continuous batching depends on transformers internals",
-            stacklevel=3,
+            "should work, continuous batching depends on transformers internals"
         )
 
 

@@ -616,3 +616,13 @@ def test_gpu_continuous_batching_decode_runs_astrai_cuda_kernels(monkeypatch):
     kernels = {event.name for event in profile.events() if event.device_type.name == "CUDA"}
     assert any("append_kv" in name for name in kernels), sorted(kernels)
     assert any("paged" in name for name in kernels), sorted(kernels)
+
+
+def test_an_untested_transformers_version_warns_as_astrai(monkeypatch):
+    from astrai.extension import AstraiWarning
+    from astrai.integrations import transformers as integration
+
+    monkeypatch.setattr(integration.transformers, "__version__", "1.0.0")
+    with pytest.warns(AstraiWarning, match="found 1.0.0") as record:
+        integration.register()
+    assert record[0].filename == __file__  # attributed to the caller's line, not astrai's
