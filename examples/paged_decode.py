@@ -56,8 +56,9 @@ def new_tokens(counts):
     v = torch.randn(1, total, kv_heads, head_dim, device=device, dtype=dtype)
     start = 0
     for seq_id, count in zip(seq_ids, counts):
-        history[seq_id][0].append(k[0, start : start + count])
-        history[seq_id][1].append(v[0, start : start + count])
+        # Copies: on a GPU, k and v become the captured graph's input buffers, refilled each step.
+        history[seq_id][0].append(k[0, start : start + count].clone())
+        history[seq_id][1].append(v[0, start : start + count].clone())
         start += count
     return q, k, v
 

@@ -46,11 +46,11 @@ def reference(window_left=-1, softcap=None, sinks=None):
 sinks = torch.randn(heads, device=device, dtype=torch.float32)
 cases = {
     "sliding window, W = 7": (dict(window_left=7), dict(window_left=7)),
-    "softcap 5.0": (dict(softcap=5.0), dict(softcap=5.0)),
+    "softcap 2.0": (dict(softcap=2.0), dict(softcap=2.0)),
     "sinks": (dict(sinks=sinks), dict(sinks=sinks)),
     "all three": (
-        dict(window_left=7, softcap=5.0, sinks=sinks),
-        dict(window_left=7, softcap=5.0, sinks=sinks),
+        dict(window_left=7, softcap=2.0, sinks=sinks),
+        dict(window_left=7, softcap=2.0, sinks=sinks),
     ),
 }
 plain = reference()
@@ -60,4 +60,5 @@ for label, (arguments, definition) in cases.items():
     error = (out.double() - want).abs().max().item()
     moved = (want - plain).abs().max().item()  # the variant changes the answer: it is applied
     print(f"{label:<24} max |astrai - float64| = {error:.1e} (the variant moves it by {moved:.2f})")
-    assert error < tolerance and moved > 10 * tolerance, label
+    # The control: ignoring the variant would leave an error of at least moved - error.
+    assert error < tolerance and moved > 3 * tolerance, label

@@ -66,7 +66,8 @@ def test_smoke_run_records_refusals_as_errors(smoke):
             assert row["error"].startswith("RuntimeError: resolver chose None for backend='cuda'")
             if torch.cuda.is_available():
                 assert f"unsupported head_dim {row['D']}" in row["error"], row
-            assert "needs CUDA tensors (got cpu)" in row["error"]
+            else:
+                assert "needs CUDA tensors (got cpu)" in row["error"]
 
 
 def test_flashinfer_peers_skip_cleanly_when_it_does_not_import(smoke):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -39,7 +40,9 @@ def test_the_logger_says_once_per_call_form_which_backend_ran(caplog, fresh_form
         astrai.attention(q, k, v)  # not causal: another form
     lines = [r.getMessage() for r in caplog.records if r.name == "astrai"]
     assert len(lines) == 2, lines
-    assert "dense training float32 cpu q[*,*,4,16] is_causal -> torch_native (default)" in lines[0]
+    # (", fell back" where the library has the cuda backend, which passes CPU tensors by)
+    form = r"dense training float32 cpu q\[\*,\*,4,16\] is_causal -> torch_native \(default"
+    assert re.search(form + r"(, fell back)?\)", lines[0]), lines[0]
     assert "is_causal" not in lines[1] and "-> torch_native" in lines[1]
 
 

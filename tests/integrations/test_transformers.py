@@ -436,8 +436,8 @@ def test_continuous_batching_reads_transformers_cache_in_place(monkeypatch):
     pools = []
     original = astrai_transformers._full_attention_pools
 
-    def recording(cache, layer_idx):
-        found = original(cache, layer_idx)
+    def recording(cache, layer_idx, *shape):
+        found = original(cache, layer_idx, *shape)
         pools.append((found[0], cache))
         return found
 
