@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-import astrai  # noqa: E402
+import astrai.extension as astrai  # noqa: E402  (loads the ops: plain "import astrai" is lazy)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 TARGETS = {"verify_vs_decode": 1.3, "flashinfer_vs_verify": 1.2, "invariant_decode": (1.15, 1.05)}
