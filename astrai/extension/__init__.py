@@ -21,6 +21,8 @@ from .backend.attention import (
     merge_states,
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
+from .latent_cache import PagedLatentCache
+from .mla import explain_mla, mla_attention
 from .selection import attn_backend, get_backend
 from .warning import AstraiWarning
 
@@ -34,11 +36,14 @@ __all__ = [
     "FlashAttnBackend",
     "KVCacheFullError",
     "PagedKVCache",
+    "PagedLatentCache",
     "StepMetadata",
     "TorchNativeBackend",
     "attention",
     "attn_backend",
     "explain",
+    "explain_mla",
     "get_backend",
     "merge_states",
+    "mla_attention",
 ]
