@@ -189,7 +189,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="a near-tie: the float32 gap between two tokens is under this many times the "
         "model's own logit error at that step",
     )
+    parser.add_argument(
+        "--mla", action="store_true", help="serve a tiny DeepSeek-V3 over astrai's latent cache"
+    )
     args = parser.parse_args(argv)
+    if args.mla:  # astrai/integrations/deepseek_mla.py: latent cache, bytes per token, agreement
+        from astrai.integrations import deepseek_mla
+
+        return deepseek_mla.demo(args.device, args.prompts or 4, args.new_tokens or 8, args.seed)
 
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
