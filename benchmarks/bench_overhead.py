@@ -1,7 +1,9 @@
 """Host-side cost of one attention call: astr's op (C++ resolver + dispatch) and Python API
 against a direct SDPA call, on tiny CPU tensors where the math is negligible; also a paged
-decode step through the Python API with and without new tokens to append, and an
-``attn_backend`` context entered and left around a call.
+decode step through the Python API with and without new tokens to append, an
+``attn_backend`` context entered and left around a call, and what making dispatch visible costs
+(astrai/extension/visibility.py): the check every call pays while nobody looks, and a call
+observed once its form has been seen (the logger at INFO, or a profiler running).
 
     python3 benchmarks/bench_overhead.py [--iters 5000] [--repeats 31] [--out benchmarks/results]
 
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import astrai.extension as ext
+from astrai.extension import visibility
 
 
 def cpu_name() -> str:
@@ -122,7 +125,15 @@ def main() -> None:
         "paged decode, nothing to append (k=v=None)": lambda: ext.attention(
             q, None, None, kv_cache=cache, fwd="decode"
         ),
+        # What every call pays while the astrai logger is below INFO and no profiler runs.
+        "visibility check alone (logger below INFO, no profiler)": visibility.enabled,
+        # A call observed (logger at INFO or a profiler on), its form already seen: the form's
+        # key and a dict lookup, no range (no profiler here).
+        "torch.ops.astr.attention observed (form seen)": lambda: visibility.run_visibly(
+            op, observed_args
+        ),
     }
+    observed_args = dict(q=q, k=k, v=v)
     # Inference mode (a serving call) and plain grad mode (inputs not requiring grad: the
     # autograd dispatch keys are still visited, as in a training script's eval pass).
     results = {}

@@ -298,7 +298,11 @@ def flashinfer_missing() -> Optional[str]:
     """Why FlashInfer cannot be imported (None when it can): its peers are then skipped."""
     try:
         import flashinfer  # noqa: F401
-    except Exception as exc:  # not installed, or installed for another torch/CUDA
+    except ModuleNotFoundError as exc:
+        if exc.name == "flashinfer":
+            return f"flashinfer not installed ({exc}; pip install flashinfer-python)"
+        return f"flashinfer not importable ({type(exc).__name__}: {exc})"
+    except Exception as exc:  # installed for another torch/CUDA, or broken
         return f"flashinfer not importable ({type(exc).__name__}: {exc})"
     return None
 

@@ -46,9 +46,16 @@ def shape_label(row: dict) -> str:
 
 
 def progress_line(row: dict) -> str:
-    """One line per finished row, printed while the run goes on."""
+    """One line per finished row, printed while the run goes on: its timing, or why it did not
+    run (a peer not installed, or skipped by design, says so; ERROR is for what failed)."""
     head = f"{shape_label(row):50s} {row['peer']:22s}"
     if "error" in row:
+        if row["error"].startswith("skipped: "):
+            reason = row["error"][len("skipped: ") :]
+            return (
+                f"{head} {'not installed' if ' not installed ' in reason else 'skipped'}: "
+                + (reason[:140])
+            )
         return f"{head} ERROR {row['error'][:140]}"
     err = row.get("rel_l2")
     err_text = f"rel_l2 {err:.1e}" if isinstance(err, float) else f"rel_l2 {err}"

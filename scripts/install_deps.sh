@@ -9,7 +9,7 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
   echo "install_deps: no torch found; installing torch==2.13.0"
   "$PYTHON" -m pip install -q "torch==2.13.0"
 fi
-"$PYTHON" -m pip install -q "setuptools>=64" wheel ninja pytest hypothesis numpy "ruff==0.17.6" "clang-format==23.1.5"
+"$PYTHON" -m pip install -q "setuptools>=77" wheel ninja build pytest hypothesis numpy "ruff==0.17.6" "clang-format==23.1.5"
 # The transformers integration, its tests and the demo: the tested range when transformers is
 # missing (a transformers you have is kept; astrai warns if it is outside that range). psutil
 # lets transformers' continuous batching size its cache on a CPU. Neither pulls in torch.

@@ -17,7 +17,15 @@ h // (Hq / Hkv). Which keys a row sees:
 - paged: new token i of a sequence of length L with n new tokens sits at position L - n + i;
   `is_causal` lets it see positions <= L - n + i; a mask [T, K] covers kv positions 0..K-1 and
   removes the rest;
-- `window_left` W >= 0 (with `is_causal`): a query at position p sees keys p - W .. p.
+- `window_left` W >= 0 (with `is_causal`): a query at position p sees keys p - W .. p;
+- `topk_indices` (int32, one row of key positions per query, shared by all heads): a query sees
+  only the keys its row lists (-1 lists nothing; a position listed twice counts once), of those
+  the rest of the rules allow. Dense rows list positions along k's length; paged rows list
+  positions within the query's sequence.
+- paged, `tree_mask` [T, >= max_query_len] (bool, with `is_causal`): new token i of a sequence of
+  length L with n new tokens sees positions < L - n (its cached prefix) and new token j (position
+  L - n + j) where its row's column j is true, in place of the causal edge; the window still
+  applies.
 
 An FP8 cache reads as `stored.float() * scale` (one float32 scale per kv head) and stores
 `fp8(clamp(x / scale, -max, max))`.
@@ -72,6 +80,19 @@ def attend(
     return (out, lse.transpose(0, 1)) if return_lse else out
 
 
+def listed_keys(rows, length: int, device=None):
+    """Which of `length` keys each row of top-k indices lists: rows [n, topk] -> bool [n, length].
+    Entries are -1 (nothing) or positions 0 .. length - 1 (anything else is not a valid call)."""
+    rows = torch.as_tensor(rows).tolist()
+    listed = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        for position in set(row) - {-1}:
+            if not 0 <= position < length:
+                raise ValueError(f"row {i} lists {position}, outside 0 .. {length - 1}")
+            listed[i, position] = True
+    return listed.to(device)
+
+
 def dense_reference(
     q,
     k,
@@ -84,9 +105,10 @@ def dense_reference(
     softcap: Optional[float] = None,
     sinks=None,
     return_lse: bool = False,
+    topk_indices=None,
 ):
-    """The dense call: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]. -> out [B, Lq, Hq, Dv] (and lse
-    [B, Lq, Hq]), float64."""
+    """The dense call: q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]; topk_indices [B, Lq, topk]. -> out
+    [B, Lq, Hq, Dv] (and lse [B, Lq, Hq]), float64."""
     batch, q_len, q_heads, _ = q.shape
     kv_len = k.shape[1]
     queries = torch.arange(q_len, device=q.device)[:, None]
@@ -106,6 +128,8 @@ def dense_reference(
             seen = visible & masks[b]
         elif masks is not None:
             bias = masks[b]
+        if topk_indices is not None:
+            seen = seen & listed_keys(topk_indices[b], kv_len, q.device)
         out, lse = attend(
             q[b], k[b], v[b], seen, scale, bias, softcap=softcap, sinks=sinks, return_lse=True
         )
@@ -127,16 +151,24 @@ def sequence_reference(
     softcap: Optional[float] = None,
     sinks=None,
     return_lse: bool = False,
+    topk_indices=None,
+    tree_mask=None,
 ):
     """One sequence of a paged call: q [n, Hq, D] its new tokens, k/v [L, Hkv, D] all its tokens
-    (cached and new); attn_mask [n, K] its rows of the call's mask. -> out [n, Hq, Dv] (and lse
-    [n, Hq]), float64."""
+    (cached and new); attn_mask [n, K] its rows of the call's mask; topk_indices [n, topk] its
+    rows (positions 0 .. L - 1); tree_mask [n, >= n] its rows of the call's tree mask. -> out
+    [n, Hq, Dv] (and lse [n, Hq]), float64."""
     new, length = q.shape[0], k.shape[0]
     device = q.device
     positions = torch.arange(length - new, length, device=device)[:, None]
     keys = torch.arange(length, device=device)[None, :]
     visible = torch.ones(new, length, dtype=torch.bool, device=device)
-    if is_causal:
+    if tree_mask is not None:
+        named = torch.zeros(new, length, dtype=torch.bool, device=device)
+        named[:, : length - new] = True  # the cached prefix
+        named[:, length - new :] = tree_mask[:, :new].to(device)
+        visible &= named
+    elif is_causal:
         visible &= keys <= positions
     if window_left >= 0:
         visible &= keys >= positions - window_left
@@ -151,6 +183,8 @@ def sequence_reference(
         else:
             bias = torch.full((new, length), -math.inf, dtype=torch.float64, device=device)
             bias[:, :columns] = inside.double()
+    if topk_indices is not None:
+        visible &= listed_keys(topk_indices, length, device)
     return attend(
         q, k, v, visible, scale, bias, softcap=softcap, sinks=sinks, return_lse=return_lse
     )
@@ -197,11 +231,14 @@ def paged_reference(
     k_scale=None,
     v_scale=None,
     return_lse: bool = False,
+    topk_indices=None,
+    tree_mask=None,
 ):
     """The paged call: q [T, Hq, D] packs each sequence's new tokens (query_start_loc [B+1], None
     for a decode: one each); k_cache/v_cache [P, S, Hkv, D] (FP8 with k_scale/v_scale [Hkv]);
-    block_table [B, W]; seq_lens [B]; attn_mask [T, K]. -> out [T, Hq, Dv] (and lse [T, Hq]),
-    float64 on q's device."""
+    block_table [B, W]; seq_lens [B]; attn_mask [T, K]; topk_indices [T, topk]; tree_mask
+    [T, >= max new tokens]. -> out
+    [T, Hq, Dv] (and lse [T, Hq]), float64 on q's device."""
     lengths = torch.as_tensor(seq_lens).tolist()
     if query_start_loc is None:
         starts = list(range(len(lengths) + 1))
@@ -227,6 +264,8 @@ def paged_reference(
             softcap=softcap,
             sinks=sinks,
             return_lse=True,
+            topk_indices=None if topk_indices is None else topk_indices[rows],
+            tree_mask=None if tree_mask is None else tree_mask[rows],
         )
         outs.append(out)
         lses.append(lse)
@@ -245,3 +284,33 @@ def assert_close_to_reference(out, ref, dtype=None):
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out).all(), "output holds NaN or inf"
     torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=tolerance)
+
+
+def tree_of_drafts(parents):
+    """The tree mask of one sequence's drafts [n, n] (bool): parents[i] is the draft that draft i
+    follows (-1: the cached prefix's last token), each parent before its child; draft i sees
+    itself and its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        assert parent < i, "a draft follows an earlier draft"
+        mask[i, i] = True
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def random_tree_parents(n, generator=None):
+    """Parents of a random tree of n drafts (tree_of_drafts): draft i follows one of the drafts
+    before it, or the prefix."""
+    return [int(torch.randint(-1, i, (), generator=generator)) if i > 0 else -1 for i in range(n)]
+
+
+def pack_tree_masks(trees, width):
+    """The call's tree mask [T, width] from each sequence's [n, n] tree, rows in q's order."""
+    rows = []
+    for tree in trees:
+        padded = torch.zeros(tree.shape[0], width, dtype=torch.bool)
+        padded[:, : tree.shape[1]] = tree
+        rows.append(padded)
+    return torch.cat(rows)

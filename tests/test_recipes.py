@@ -6,7 +6,6 @@ mention ``sinks`` without joining the argument recipe fails here."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,10 +36,12 @@ def recipes() -> dict:
 
 
 def product_files() -> list:
-    listed = subprocess.run(
-        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.split()
-    return [p for p in listed if PRODUCT.match(p) and not p.startswith(INTEGRATIONS)]
+    """The product's source files as they are in this tree (build outputs under csrc/ or astrai/
+    are none of them: .so, generated instantiations live in build/)."""
+    found = [str(p.relative_to(ROOT)) for p in ROOT.glob("csrc/**/*") if p.is_file()]
+    found += [str(p.relative_to(ROOT)) for p in ROOT.glob("astrai/**/*.py")]
+    found += ["setup.py", "scripts/generate_instantiations.py"]
+    return [p for p in found if PRODUCT.match(p) and not p.startswith(INTEGRATIONS)]
 
 
 RECIPES = recipes()

@@ -20,9 +20,10 @@ from .backend.attention import (
     explain,
     merge_states,
 )
-from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata
+from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata, tokens_that_fit
 from .latent_cache import PagedLatentCache
 from .mla import explain_mla, mla_attention
+from .ops import batch_invariant, set_batch_invariant
 from .selection import attn_backend, get_backend
 from .warning import AstraiWarning
 
@@ -41,9 +42,12 @@ __all__ = [
     "TorchNativeBackend",
     "attention",
     "attn_backend",
+    "batch_invariant",
     "explain",
     "explain_mla",
     "get_backend",
     "merge_states",
     "mla_attention",
+    "tokens_that_fit",
+    "set_batch_invariant",
 ]

@@ -1,9 +1,11 @@
 """A paged KV cache: per-layer K/V pools of fixed-size pages, pages handed to sequences as
 they grow, and each step's metadata built on the host and copied to the device in one copy.
 
-Pool layout: ``[num_pages, page_size, kv_heads, head_dim]``. A sequence's tokens live in the
-pages its block-table row lists, in order; token ``i`` is at slot ``page * page_size + i %
-page_size`` of page ``block_table[b, i // page_size]``.
+Pool layout: ``[num_pages, page_size, kv_heads, head_dim]`` (v: ``head_dim_v``). A sequence's
+tokens live in the pages its block-table row lists, in order; token ``i`` is at slot ``page *
+page_size + i % page_size`` of page ``block_table[b, i // page_size]``. Every layer shares the
+pages and the step metadata; each layer may have its own kv heads and head dims (Gemma 4: head
+dim 512 on its global layers, 256 on its sliding ones): pass a sequence of one value per layer.
 
 FP8 caches (``dtype=torch.float8_e4m3fn`` or ``torch.float8_e5m2``) keep one byte per element
 and a float32 scale per layer and kv head (``k_scales[layer]``, ``v_scales[layer]``, 1.0 at
@@ -20,13 +22,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import ops
 
 SUPPORTED_PAGE_SIZES = tuple(2**i for i in range(9))  # 1, 2, 4, ..., 256
+PerLayer = Union[int, Sequence[int]]  # one value for every layer, or one per layer
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -98,19 +101,21 @@ class PagedKVCache:
         num_layers: int,
         num_pages: int,
         page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
+        num_kv_heads: PerLayer,
+        head_dim: PerLayer,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
-        head_dim_v: Optional[int] = None,
+        head_dim_v: Optional[PerLayer] = None,
     ):
+        """``num_kv_heads``, ``head_dim`` and ``head_dim_v`` (default: ``head_dim``): one int for
+        every layer, or a sequence of one int per layer."""
         num_layers = _as_positive_count("num_layers", num_layers)
         num_pages = _as_positive_count("num_pages", num_pages)
         page_size = _as_count("page_size", page_size)
-        num_kv_heads = _as_positive_count("num_kv_heads", num_kv_heads)
-        head_dim = _as_positive_count("head_dim", head_dim)
-        head_dim_v = (
-            head_dim if head_dim_v is None else _as_positive_count("head_dim_v", head_dim_v)
+        kv_heads = _per_layer("num_kv_heads", num_kv_heads, num_layers)
+        head_dims = _per_layer("head_dim", head_dim, num_layers)
+        head_dims_v = (
+            head_dims if head_dim_v is None else _per_layer("head_dim_v", head_dim_v, num_layers)
         )
         if page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(
@@ -126,26 +131,27 @@ class PagedKVCache:
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
+        # Per layer (each a tuple of num_layers ints); num_kv_heads, head_dim and head_dim_v
+        # read them when every layer agrees.
+        self.layer_kv_heads = kv_heads
+        self.layer_head_dims = head_dims
+        self.layer_head_dims_v = head_dims_v
         self.dtype = dtype
         self.device = torch.device(device)
-        shape_k = (num_pages, page_size, num_kv_heads, head_dim)
-        shape_v = (num_pages, page_size, num_kv_heads, self.head_dim_v)
         self.k_pools = [
-            torch.zeros(shape_k, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros((num_pages, page_size, h, d), dtype=dtype, device=self.device)
+            for h, d in zip(kv_heads, head_dims)
         ]
         self.v_pools = [
-            torch.zeros(shape_v, dtype=dtype, device=self.device) for _ in range(num_layers)
+            torch.zeros((num_pages, page_size, h, d), dtype=dtype, device=self.device)
+            for h, d in zip(kv_heads, head_dims_v)
         ]
         # FP8 pools: per-layer, per-kv-head dequantization scales (module docstring).
         self.k_scales: List[torch.Tensor] = []
         self.v_scales: List[torch.Tensor] = []
         if self.is_fp8:
             self.k_scales = [
-                torch.ones(num_kv_heads, dtype=torch.float32, device=self.device)
-                for _ in range(num_layers)
+                torch.ones(h, dtype=torch.float32, device=self.device) for h in kv_heads
             ]
             self.v_scales = [s.clone() for s in self.k_scales]
         self._free_pages: List[int] = list(range(num_pages - 1, -1, -1))  # pop() takes page 0 first
@@ -153,6 +159,19 @@ class PagedKVCache:
         self._lengths: Dict[int, int] = {}
         self.step: Optional[StepMetadata] = None
         self._step_seq_ids: frozenset = frozenset()  # the sequences self.step writes to
+
+    # -- shapes ------------------------------------------------------------------------
+    @property
+    def num_kv_heads(self) -> int:
+        return _same_for_every_layer("num_kv_heads", "layer_kv_heads", self.layer_kv_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return _same_for_every_layer("head_dim", "layer_head_dims", self.layer_head_dims)
+
+    @property
+    def head_dim_v(self) -> int:
+        return _same_for_every_layer("head_dim_v", "layer_head_dims_v", self.layer_head_dims_v)
 
     # -- sequences and pages -------------------------------------------------------------
     @property
@@ -187,6 +206,15 @@ class PagedKVCache:
             raise IndexError(f"layer_id: {layer_id} out of range for {self.num_layers} layers")
         return self.k_pools[layer_id], self.v_pools[layer_id]
 
+    def _layer_shape(self, layer_id: int) -> Tuple[int, int, int]:
+        """(kv_heads, head_dim, head_dim_v) of a layer (layer_id already checked)."""
+        layer_id = operator.index(layer_id)
+        return (
+            self.layer_kv_heads[layer_id],
+            self.layer_head_dims[layer_id],
+            self.layer_head_dims_v[layer_id],
+        )
+
     # -- FP8 scales ------------------------------------------------------------------------
     @property
     def is_fp8(self) -> bool:
@@ -207,6 +235,7 @@ class PagedKVCache:
             raise ValueError(f"set_scales: the cache holds {self.dtype}, not an FP8 dtype")
         self.layer(layer_id)
         layer_id = operator.index(layer_id)
+        kv_heads = self.layer_kv_heads[layer_id]
         new = []
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             try:
@@ -216,14 +245,14 @@ class PagedKVCache:
                 tensor = torch.as_tensor(value, dtype=torch.float32)
             except (TypeError, ValueError, RuntimeError):
                 raise TypeError(
-                    f"{name}: expected a float or a float32 [kv_heads={self.num_kv_heads}] "
+                    f"{name}: expected a float or a float32 [kv_heads={kv_heads}] "
                     f"tensor, got {value!r}"
                 ) from None
             if tensor.dim() == 0:
-                tensor = tensor.expand(self.num_kv_heads)
-            if tuple(tensor.shape) != (self.num_kv_heads,):
+                tensor = tensor.expand(kv_heads)
+            if tuple(tensor.shape) != (kv_heads,):
                 raise ValueError(
-                    f"{name}: expected a float or [kv_heads={self.num_kv_heads}], got shape "
+                    f"{name}: expected a float or [kv_heads={kv_heads}], got shape "
                     f"{tuple(tensor.shape)}"
                 )
             host = tensor.detach().cpu()
@@ -240,10 +269,11 @@ class PagedKVCache:
         if not self.is_fp8:
             raise ValueError(f"scales_from: the cache holds {self.dtype}, not an FP8 dtype")
         largest = torch.finfo(self.dtype).max
+        kv_heads, head_dim, head_dim_v = self._layer_shape(layer_id)
         scales = []
-        for name, tensor, dim in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
-            _check_tokens_shape(name, tensor, self.num_kv_heads, dim)
-            amax = tensor.detach().reshape(-1, self.num_kv_heads, dim).abs()
+        for name, tensor, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
+            _check_tokens_shape(name, tensor, kv_heads, dim)
+            amax = tensor.detach().reshape(-1, kv_heads, dim).abs()
             amax = amax.amax(dim=(0, 2)).float()
             bad = ~torch.isfinite(amax)
             if bool(bad.any()):  # a NaN head would get scale 1 (NaN > 0 is false), inf scale inf
@@ -373,8 +403,9 @@ class PagedKVCache:
         if self.step is None:
             raise RuntimeError("kv_cache: call begin_step(...) before appending")
         k_pool, v_pool = self.layer(layer_id)
-        for name, tensor, dim in (("k", k, self.head_dim), ("v", v, self.head_dim_v)):
-            _check_tokens_shape(name, tensor, self.num_kv_heads, dim)
+        kv_heads, head_dim, head_dim_v = self._layer_shape(layer_id)
+        for name, tensor, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
+            _check_tokens_shape(name, tensor, kv_heads, dim)
         step_tokens = self.step.slot_mapping.shape[0]
         for name, tensor in (("k", k), ("v", v)):
             tokens = tensor.numel() // (tensor.shape[-2] * tensor.shape[-1] or 1)
@@ -385,8 +416,8 @@ class PagedKVCache:
                 )
         k_scale, v_scale = self.scales(layer_id)
         ops.append_kv(
-            k.reshape(-1, self.num_kv_heads, self.head_dim),
-            v.reshape(-1, self.num_kv_heads, self.head_dim_v),
+            k.reshape(-1, kv_heads, head_dim),
+            v.reshape(-1, kv_heads, head_dim_v),
             k_pool,
             v_pool,
             self.step.slot_mapping,
@@ -398,23 +429,26 @@ class PagedKVCache:
 def tokens_that_fit(
     memory_bytes: int,
     num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
+    num_kv_heads: PerLayer,
+    head_dim: PerLayer,
     dtype: torch.dtype,
-    head_dim_v: Optional[int] = None,
+    head_dim_v: Optional[PerLayer] = None,
 ) -> int:
     """How many tokens' K and V (every layer) a cache of ``memory_bytes`` holds with elements of
-    ``dtype``: an FP8 cache holds twice a bf16 one's (its scales are a few bytes per layer)."""
+    ``dtype``: an FP8 cache holds twice a bf16 one's (its scales are a few bytes per layer).
+    Shapes as ``PagedKVCache`` takes them (an int, or one per layer)."""
     memory_bytes = _as_count("memory_bytes", memory_bytes)
     if memory_bytes < 0:
         raise ValueError(f"memory_bytes: expected a count of bytes >= 0, got {memory_bytes}")
     num_layers = _as_positive_count("num_layers", num_layers)
-    num_kv_heads = _as_positive_count("num_kv_heads", num_kv_heads)
-    head_dim = _as_positive_count("head_dim", head_dim)
-    head_dim_v = head_dim if head_dim_v is None else _as_positive_count("head_dim_v", head_dim_v)
+    kv_heads = _per_layer("num_kv_heads", num_kv_heads, num_layers)
+    head_dims = _per_layer("head_dim", head_dim, num_layers)
+    head_dims_v = (
+        head_dims if head_dim_v is None else _per_layer("head_dim_v", head_dim_v, num_layers)
+    )
     _check_cache_dtype(dtype)
     element = torch.empty((), dtype=dtype).element_size()
-    per_token = num_layers * num_kv_heads * (head_dim + head_dim_v) * element
+    per_token = sum(h * (d + dv) for h, d, dv in zip(kv_heads, head_dims, head_dims_v)) * element
     return memory_bytes // per_token
 
 
@@ -433,6 +467,27 @@ def _as_positive_count(name: str, value) -> int:
     if count < 1:
         raise ValueError(f"{name}: expected a positive integer, got {count}")
     return count
+
+
+def _per_layer(name: str, value, num_layers: int) -> Tuple[int, ...]:
+    """One positive int per layer, from an int (every layer) or a sequence of num_layers."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_layers:
+            raise ValueError(
+                f"{name}: expected an integer or one per layer ({num_layers}), got {len(value)} "
+                f"values"
+            )
+        return tuple(_as_positive_count(f"{name}[{i}]", v) for i, v in enumerate(value))
+    return (_as_positive_count(name, value),) * num_layers
+
+
+def _same_for_every_layer(name: str, per_layer: str, values: Tuple[int, ...]) -> int:
+    """The one value that every layer shares, or a ValueError naming the per-layer attribute."""
+    if len(set(values)) != 1:
+        raise ValueError(
+            f"{name}: the layers differ ({list(values)}); read {per_layer}[layer] instead"
+        )
+    return values[0]
 
 
 def _as_seq_id(seq_id):

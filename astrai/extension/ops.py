@@ -14,27 +14,63 @@ from typing import Optional
 import torch
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_REBUILD = "rebuild it with: pip install --no-build-isolation --force-reinstall --no-deps ."
+
+
+def rebuild_command() -> str:
+    """How to rebuild the library against the installed torch: in place in a source checkout,
+    else by reinstalling astrai from its source (a checkout or the sdist) without isolation."""
+    source = os.path.dirname(_PACKAGE_DIR)
+    if os.path.exists(os.path.join(source, "setup.py")):
+        return f"cd {source} && python setup.py build_ext --inplace (or: make build)"
+    return (
+        "pip install --no-build-isolation --force-reinstall --no-deps <astrai's source folder "
+        "or astrai-<version>.tar.gz>"
+    )
+
+
+def _built_for() -> str:
+    """The torch and CUDA the installed distribution says it was built for (its local version,
+    e.g. "torch2.13cpu"), or "" (a checkout's build, or no metadata)."""
+    try:
+        from importlib.metadata import version
+
+        return version("astrai").partition("+")[2]
+    except Exception:
+        return ""
 
 
 def _load_library() -> dict:
     candidates = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "_C*.so")))
     if not candidates:
-        raise ImportError(f"astrai: native library astrai/_C*.so not found; {_REBUILD}")
+        raise ImportError(
+            f"astrai: native library astrai/_C*.so not found; build it with: {rebuild_command()}"
+        )
     try:
         torch.ops.load_library(candidates[0])
     except OSError as error:
+        built_for = _built_for()
         raise ImportError(
-            f"astrai: could not load {candidates[0]} ({error}); it was probably built against "
-            f"another torch than {torch.__version__}; {_REBUILD}"
+            f"astrai: could not load {candidates[0]} ({error}); it was probably built for "
+            f"another torch ({built_for or 'see pip show astrai'}) than the installed torch "
+            f"{torch.__version__} (CUDA {torch.version.cuda or 'none'}); rebuild it for this "
+            f"torch: {rebuild_command()}"
         ) from error
     info = json.loads(torch.ops.astr.build_info())
-    if info["torch_version"] != torch.__version__:
-        raise ImportError(
-            f"astrai: the native library was built against torch {info['torch_version']} but "
-            f"torch {torch.__version__} is installed; {_REBUILD}"
-        )
+    check_built_for_this_torch(info)
     return info
+
+
+def check_built_for_this_torch(info: dict, installed: str = torch.__version__) -> None:
+    """Raises ImportError naming both torch versions and the rebuild command unless the library
+    (``info``: its build_info) was built for the ``installed`` torch."""
+    if info["torch_version"] == installed:
+        return
+    built_kernels = f"CUDA {info['cuda_version']} kernels" if info["with_cuda"] else "CPU only"
+    raise ImportError(
+        f"astrai: the native library was built for torch {info['torch_version']} "
+        f"({built_kernels}) but torch {installed} is installed; rebuild it for this torch: "
+        f"{rebuild_command()}"
+    )
 
 
 BUILD_INFO: dict = _load_library()
@@ -113,6 +149,37 @@ def set_kernel_tuning(tuning: str) -> None:
 def set_metadata_checks(enabled: bool) -> None:
     """Checked mode: validate paged metadata on every call (a host synchronisation)."""
     torch.ops.astr.set_metadata_checks(enabled)
+
+
+class _BatchInvariance:
+    """The Python side's copy of the batch-invariant switch (the C++ one is the truth), which
+    the API reads on every paged call so that torch.compile guards on it: the torch_native
+    backend is decomposed when a graph is traced, so a graph traced in one mode must not run in
+    the other."""
+
+    enabled: bool = False
+
+
+# ASTR_BATCH_INVARIANT is read here, at load (a value that is no switch raises, naming it).
+_BatchInvariance.enabled = bool(torch.ops.astr.batch_invariant())
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Batch-invariant mode: every paged call's output rows (and lse) for a sequence are the
+    same bits whatever the batch around it (the other sequences, its position, the batch size),
+    for decode, verify and prefill, on the cuda and torch_native backends, eagerly and under
+    CUDA-graph replay. Off by default (``ASTR_BATCH_INVARIANT=1`` turns it on at load); what it
+    costs: README.md, "Serving engines". Process-wide. Compiled code through
+    ``astrai.attention`` recompiles when it changes (not direct ``torch.ops.astr`` calls)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True or False, got {enabled!r}")
+    torch.ops.astr.set_batch_invariant(enabled)
+    _BatchInvariance.enabled = enabled
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on (``set_batch_invariant``)."""
+    return bool(torch.ops.astr.batch_invariant())
 
 
 def backend_status(name: str) -> dict:

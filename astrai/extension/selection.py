@@ -48,7 +48,7 @@ import torch
 from .backend.base import AttentionBackend
 from .backend.builtin import BuiltinBackend
 from .backend.factory import AttentionBackendFactory, _instance
-from .backend.registry import ATTN_BACKEND, BUILTIN_BACKENDS
+from .backend.registry import ATTN_BACKEND, BACKEND_ALIASES, BUILTIN_BACKENDS
 
 BackendSpec = Union[str, ATTN_BACKEND, AttentionBackend, type, None]
 
@@ -300,13 +300,15 @@ _ENVIRONMENT = getattr(os.environ, "_data", os.environ)
 _ENV_KEY = (
     b"ASTR_BACKEND" if _ENVIRONMENT is not os.environ and os.name == "posix" else "ASTR_BACKEND"
 )
-# (ASTR_BACKEND's value as _ENVIRONMENT holds it, its selection), per built-in backend.
+# (ASTR_BACKEND's value as _ENVIRONMENT holds it, its selection), per built-in backend name and
+# other name ("sdpa" selects torch_native).
 _ENVIRONMENT_SELECTIONS = tuple(
     (
-        cls.name.encode() if isinstance(_ENV_KEY, bytes) else cls.name,
-        _selection(BackendSource.ENVIRONMENT, cls.name),
+        value.encode() if isinstance(_ENV_KEY, bytes) else value,
+        _selection(BackendSource.ENVIRONMENT, name),
     )
-    for cls in BUILTIN_BACKENDS
+    for value, name in [(cls.name, cls.name) for cls in BUILTIN_BACKENDS]
+    + list(BACKEND_ALIASES.items())
 )
 
 

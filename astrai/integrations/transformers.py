@@ -7,8 +7,11 @@
 ``"astrai"``: every attention call of the model goes through ``astrai.extension.attention``:
 training, ``generate`` with transformers' own cache, padded batches (transformers' boolean mask,
 True = attend) and GQA with the kv heads as they are. The module's scaling, sliding window,
-logit softcap and attention sinks are passed on, and an ``attn_backend(...)`` context of the
-calling thread applies inside the model.
+logit softcap, attention sinks and sparse top-k indices (DeepSeek V3.2, GLM-5) are passed on,
+and an ``attn_backend(...)`` context of the calling thread applies inside the model. Every other
+keyword a model passes is either consumed, refused where set, or listed as carrying no meaning
+for attention (``CONSUMED_KWARGS``, ``REFUSED_KWARGS``, ``NO_MEANING_FOR_ATTENTION``); an
+unknown one raises ``NotImplementedError`` naming it.
 
 ``"paged|astrai"`` (transformers' continuous batching: ``generate_batch`` and the continuous
 batching manager; from transformers 5.19 on the manager keeps the name ``"astrai"``): the new
@@ -43,7 +46,7 @@ try:
     import transformers
     from packaging.version import Version
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 except ImportError as error:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "astrai.integrations.transformers needs the transformers package "
@@ -65,9 +68,88 @@ _UPDATED_KEY = "astrai_cache_updated"
 
 _ATTENTION_PARAMETERS = inspect.signature(attention).parameters
 
+# -- what astrai does with each keyword argument ---------------------------------------------
+# transformers' models call their attention function with keyword arguments of their own and
+# with the **kwargs that flow down from the model's forward (TransformersKwargs,
+# FlashAttentionKwargs, continuous batching's PagedAttentionArgs). Each is consumed (its meaning
+# goes into astrai's call), refused where set (NotImplementedError naming it), or carries no
+# meaning for attention; any other keyword raises, so that a new transformers release cannot
+# bring an argument that astrai would silently ignore. The test
+# tests/integrations/test_transformers_kwargs.py walks every model of the installed
+# transformers against these lists.
+CONSUMED_KWARGS = frozenset(
+    {
+        "dropout",  # > 0 raises: astrai has no dropout
+        "scaling",
+        "is_causal",
+        "sliding_window",
+        "softcap",
+        "s_aux",  # attention sinks, one logit per q head (gpt-oss, DeepSeek V4)
+        "sinks",  # the same, where a model names them so; per-token sinks raise
+        "indices",  # DeepSeek sparse attention's top-k key positions -> topk_indices
+        "output_attentions",  # True raises: astrai returns no attention weights
+        "cu_seq_lens_q",  # packed sequences (dense), the step's query tokens (continuous batching)
+        "cu_seq_lens_k",
+        "max_length_q",  # bounds of the above
+        "max_length_k",
+        "max_seqlen_q",  # their names up to transformers 5.18
+        "max_seqlen_k",
+        # continuous batching: the cache and where this step reads and writes it
+        "cache",
+        "read_index",
+        "write_index",
+        "block_table",  # transformers' own block table (flash's fused path); astrai builds its own
+        _PAGED_LAYER_KEY,
+        _GATHERED_KEY,
+        _UPDATED_KEY,
+    }
+)
+# Refused when set (None, or False for a flag, is fine): what each asks for, which astrai lacks.
+REFUSED_KWARGS = {
+    "position_bias": "an additive per-head score bias (T5-style relative positions)",
+    "block_indices": "block-sparse key selection per kv head (MiniMax M3)",
+    "deterministic": "a deterministic backward, which astrai's backends do not promise",
+}
+# Keywords that reach an attention function but carry no meaning for attention, and why.
+NO_MEANING_FOR_ATTENTION = {
+    "position_ids": "positions are already in q and k (the rotary embedding), and packed "
+    "sequences found from them are in transformers' mask",
+    "use_cache": "whether the model keeps a cache; this layer's cache was updated before",
+    "output_router_logits": "asks the MoE routers for their logits",
+    "output_hidden_states": "asks the model for its hidden states",
+    "num_items_in_batch": "normalises the loss over gradient accumulation",
+    "seq_idx": "packed sequences' index for state-space (Mamba) layers; attention reads "
+    "packing from the mask or cu_seq_lens_q/k",
+    "logits_indices": "which rows continuous batching samples from, after the model",
+    "logits_processor_args": "continuous batching's sampling arguments, after the model",
+}
+
+
+def _check_kwargs(kwargs: Dict[str, Any]) -> None:
+    """Raise for a keyword astrai cannot honour: one refused and set, or one it does not know."""
+    for name, value in kwargs.items():
+        if name in CONSUMED_KWARGS or name in NO_MEANING_FOR_ATTENTION:
+            continue
+        if name in REFUSED_KWARGS:
+            if value is None or value is False:
+                continue
+            raise NotImplementedError(
+                f"{name}: {REFUSED_KWARGS[name]} is not supported by the astrai attention; use "
+                "another attn_implementation for this model"
+            )
+        raise NotImplementedError(
+            f"{name}: transformers passed this keyword to the attention function, and astrai's "
+            "integration does not know it (it would be silently ignored); "
+            "astrai.integrations.transformers lists the keywords it consumes, refuses and "
+            "ignores"
+        )
+
 
 def _variant_arguments(
-    window_left: int = -1, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None
+    window_left: int = -1,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    topk_indices: Optional[torch.Tensor] = None,
 ) -> Dict[str, Any]:
     """The attention-variant arguments for astrai's ``attention``, raising a clear error when
     this astrai's ``attention`` does not take one that the model needs."""
@@ -78,6 +160,8 @@ def _variant_arguments(
         wanted["softcap"] = (float(softcap), "attention logit softcapping")
     if sinks is not None:
         wanted["sinks"] = (sinks.float(), "attention sinks")
+    if topk_indices is not None:
+        wanted["topk_indices"] = (topk_indices, "sparse top-k attention (indices)")
     arguments = {}
     for name, (value, what) in wanted.items():
         if name not in _ATTENTION_PARAMETERS:
@@ -113,6 +197,37 @@ def _for_layer_type(value, layer_type: str):
 # -- dense ---------------------------------------------------------------------------------
 
 
+def _sinks(s_aux: Optional[torch.Tensor], sinks: Optional[torch.Tensor], q_heads: int):
+    """One sink logit per q head (``s_aux`` or ``sinks``), or None; per-token sinks raise."""
+    if s_aux is not None and sinks is not None:
+        raise NotImplementedError("s_aux, sinks: a model passed both; astrai takes one")
+    found = s_aux if s_aux is not None else sinks
+    if found is None:
+        return None
+    if found.dim() != 1 or found.shape[0] != q_heads:
+        name = "s_aux" if s_aux is not None else "sinks"
+        raise NotImplementedError(
+            f"{name}: astrai takes one sink logit per query head ([{q_heads}]), got shape "
+            f"{list(found.shape)} (per-token sinks are not supported)"
+        )
+    return found
+
+
+def _packed_sequences_mask(cu_seq_lens_q, cu_seq_lens_k, q_len: int, kv_len: int):
+    """bool ``[1, 1, Lq, Lk]``: a query sees only the keys of its own packed sequence (flash's
+    varlen description of one row holding several sequences)."""
+    cu_q, cu_k = cu_seq_lens_q.to(torch.long), cu_seq_lens_k.to(torch.long)
+    if int(cu_q[-1]) != q_len or int(cu_k[-1]) != kv_len:
+        raise NotImplementedError(
+            f"cu_seq_lens_q, cu_seq_lens_k: they cover {int(cu_q[-1])} queries and "
+            f"{int(cu_k[-1])} keys, but the call has {q_len} and {kv_len} (astrai reads them as "
+            "packed sequences of one batch row)"
+        )
+    segment_q = torch.searchsorted(cu_q[1:], torch.arange(q_len, device=cu_q.device), right=True)
+    segment_k = torch.searchsorted(cu_k[1:], torch.arange(kv_len, device=cu_k.device), right=True)
+    return (segment_q[:, None] == segment_k[None, :]).view(1, 1, q_len, kv_len)
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, Hq, Lq, D]
@@ -125,24 +240,29 @@ def attention_forward(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     s_aux: Optional[torch.Tensor] = None,  # attention sinks [Hq] (gpt-oss)
+    sinks: Optional[torch.Tensor] = None,  # the same, named so by some models
+    indices: Optional[torch.Tensor] = None,  # int32 [B, Lq, topk]: DeepSeek sparse attention
     **kwargs,
 ):
     """transformers' attention-function interface, run by astrai; returns ``([B, Lq, Hq, Dv],
     None)`` (astrai does not materialise attention weights)."""
+    _check_kwargs(kwargs)
+    if kwargs.get("output_attentions", False):
+        raise NotImplementedError(
+            "output_attentions: astrai attention does not return attention weights; use "
+            "attn_implementation='eager' to get them"
+        )
     window = _layer_window(module, sliding_window)
+    sinks = _sinks(s_aux, sinks, query.shape[1])
     if _is_continuous_batching_call(kwargs):
         return _continuous_batching_forward(
-            module, query, key, value, scaling, window, softcap, s_aux, kwargs
+            module, query, key, value, scaling, window, softcap, sinks, indices, kwargs
         )
     if dropout and dropout > 0.0:
         raise NotImplementedError(
             f"dropout: astrai attention has no dropout (got {dropout}); set the config's "
             "attention_dropout to 0 or use another attn_implementation for training with it"
         )
-    if kwargs.get("output_attentions", False):
-        warnings.warn("astrai attention does not return attention weights", stacklevel=2)
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError("position_bias: not supported by the astrai attention")
 
     q = query.transpose(1, 2)  # BLHD views, no copy
     k = key.transpose(1, 2)
@@ -150,6 +270,7 @@ def attention_forward(
     q_len, kv_len = q.shape[1], k.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = attention_mask
+    window_left = -1
     if mask is not None:
         # transformers' masks already hold causality, padding and the window (as for SDPA).
         if mask.dtype != torch.bool and mask.dtype != q.dtype:
@@ -159,7 +280,35 @@ def attention_forward(
         # No mask: transformers only skips it where SDPA's top-left causal flag is exact
         # (q_len == kv_len, or a single query that sees every key).
         causal = bool(causal) and q_len > 1
-    window_left = window - 1 if causal and window is not None and window < kv_len else -1
+        if window is not None and window < kv_len:
+            if not causal:
+                raise NotImplementedError(
+                    f"sliding_window: a window of {window} over {kv_len} keys without a mask "
+                    "and without causality (astrai's window runs back from each query's "
+                    "position: pass transformers' mask)"
+                )
+            window_left = window - 1
+    if kwargs.get("cu_seq_lens_q") is not None:
+        # Packed sequences (one row holding several): each query sees its own sequence only.
+        if q.shape[0] != 1:
+            raise NotImplementedError(
+                f"cu_seq_lens_q: packed sequences in a batch of {q.shape[0]} rows (expected 1)"
+            )
+        cu_seq_lens_k = kwargs.get("cu_seq_lens_k")
+        packed = _packed_sequences_mask(
+            kwargs["cu_seq_lens_q"],
+            kwargs["cu_seq_lens_q"] if cu_seq_lens_k is None else cu_seq_lens_k,
+            q_len,
+            kv_len,
+        )
+        if mask is None:
+            mask = packed
+        elif mask.dtype == torch.bool:
+            mask = mask & packed
+        else:
+            mask = mask.masked_fill(~packed, float("-inf"))
+    if indices is not None and indices.dtype != torch.int32:
+        indices = indices.to(torch.int32)
     out = attention(
         q,
         k,
@@ -167,14 +316,23 @@ def attention_forward(
         attn_mask=mask,
         is_causal=causal,
         scale=scaling,
-        **_variant_arguments(window_left, softcap, s_aux),
+        **_variant_arguments(window_left, softcap, sinks, indices),
     )
     return out, None
 
 
+# Models that append additive biases to the mask they are given (DeepSeek V4 concatenates its
+# compressed keys' block bias, 0 / -inf, cast to the mask's dtype: a bool mask would read it
+# inverted). They get eager's additive mask, which astrai takes as well.
+ADDITIVE_MASK_MODEL_TYPES = frozenset({"deepseek_v4"})
+
+
 def attention_mask(*args, **kwargs):
     """The mask function registered for ``"astrai"``: SDPA's (bool, True = attend, or None
-    where astrai's top-left causal flag is exact), which astrai's dense path takes as it is."""
+    where astrai's top-left causal flag is exact), which astrai's dense path takes as it is;
+    eager's additive one for ``ADDITIVE_MASK_MODEL_TYPES``."""
+    if getattr(kwargs.get("config"), "model_type", None) in ADDITIVE_MASK_MODEL_TYPES:
+        return eager_mask(*args, **kwargs)
     return sdpa_mask(*args, **kwargs)
 
 
@@ -252,7 +410,7 @@ def _update_cache_by_indices(cache, layer_idx: int, key, value, kwargs) -> None:
     ``cu_seq_lens_k`` and ``max_length_k`` in kwargs, as the later update does."""
     if not getattr(cache, "_astrai_pools_cleared", False) and hasattr(cache, "key_cache"):
         _clear_pools(cache)
-    pools = _full_attention_pools(cache, layer_idx)
+    pools = _full_attention_pools(cache, layer_idx, key.shape[1], key.shape[-1], value.shape[-1])
     layer_type = "full_attention" if pools is not None else "sliding_attention"
     kwargs["cu_seq_lens_k"] = _for_layer_type(kwargs["cu_seq_lens_k"], layer_type)
     max_k = _kwarg(kwargs, "max_length_k", "max_seqlen_k")
@@ -275,17 +433,20 @@ def _update_cache_by_indices(cache, layer_idx: int, key, value, kwargs) -> None:
     kwargs[_GATHERED_KEY] = (k_all, v_all)
 
 
-def _full_attention_pools(cache, layer_idx: int):
+def _full_attention_pools(
+    cache, layer_idx: int, kv_heads: int = 0, head_dim: int = 0, head_dim_v: int = 0
+):
     """``(k_pages, v_pages, group)`` of a full-attention layer, views ``[P, S, Hkv, D]`` of
-    transformers' cache, or None for a layer that transformers keeps in a rolling buffer."""
+    transformers' cache, or None for a layer that transformers keeps in a rolling buffer. The
+    layer's own kv heads and head dims (its new k/v's; Gemma 4's differ between layers) shape
+    transformers 5.17's flat tensors; later versions hand out per-layer views."""
     allocators = getattr(cache, "layer_to_allocator", None)
     if allocators is None:  # transformers 5.17: one flat tensor per layer of a group
         group, index_in_group = cache.layer_index_to_group_indices[layer_idx]
         if cache.sliding_windows[layer_idx] != 1:
             return None
-        shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
-        k_pages = cache.key_cache[index_in_group].view(shape)
-        v_pages = cache.value_cache[index_in_group].view(shape)
+        k_pages = cache.key_cache[index_in_group].view(-1, cache.block_size, kv_heads, head_dim)
+        v_pages = cache.value_cache[index_in_group].view(-1, cache.block_size, kv_heads, head_dim_v)
         return k_pages, v_pages, group
     allocator = allocators[layer_idx]
     from transformers.generation.continuous_batching.cache_allocators import (
@@ -380,8 +541,28 @@ def _window_mask(step: StepMetadata, num_tokens: int, window: int) -> torch.Tens
     return (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
 
 
+def _topk_within_sequences(
+    indices: torch.Tensor,  # [1, T, topk]: positions along the step's gathered keys
+    cu_seq_lens_q: torch.Tensor,  # [B + 1]
+    cu_seq_lens_k: torch.Tensor,  # [B + 1]: each sequence's segment of the gathered keys
+) -> torch.Tensor:
+    """astrai's ``[T, topk]`` positions within each token's sequence, from transformers'
+    continuous-batching indices. There a layer's keys are every sequence's tokens gathered one
+    after another (``cu_seq_lens_k`` segments) under a block-diagonal mask, so an index is a
+    position along that axis, as in the dense path; an entry outside the token's own segment
+    is masked there, and becomes -1 (unused) here."""
+    tokens = indices.shape[1]
+    cu_q, cu_k = cu_seq_lens_q.to(torch.long), cu_seq_lens_k.to(torch.long)
+    token = torch.arange(tokens, device=cu_q.device)
+    sequence = torch.searchsorted(cu_q[1:], token, right=True).clamp_(max=cu_q.numel() - 2)
+    start, end = cu_k[sequence], cu_k[sequence + 1]
+    position = indices[0].to(torch.long) - start[:, None]
+    inside = (indices[0] >= 0) & (position >= 0) & (position < (end - start)[:, None])
+    return torch.where(inside, position, -1).to(torch.int32)
+
+
 def _continuous_batching_forward(
-    module, query, key, value, scaling, window, softcap, s_aux, kwargs
+    module, query, key, value, scaling, window, softcap, sinks, indices, kwargs
 ):
     """One layer of a continuous-batching step: q/k/v are ``[1, H, T, D]`` (the batch's new
     tokens packed)."""
@@ -389,7 +570,7 @@ def _continuous_batching_forward(
     num_tokens = q_tokens.shape[0]
     cu_seq_lens_q = kwargs["cu_seq_lens_q"]
     max_query_len = int(_kwarg(kwargs, "max_length_q", "max_seqlen_q"))
-    variants = _variant_arguments(softcap=softcap, sinks=s_aux)
+    variants = _variant_arguments(softcap=softcap, sinks=sinks)
 
     cache = kwargs.get("cache")
     if cache is not None and not kwargs.pop(_UPDATED_KEY, False):
@@ -405,6 +586,12 @@ def _continuous_batching_forward(
     layer: Optional[_PagedLayer] = kwargs.pop(_PAGED_LAYER_KEY, None)
     cu_seq_lens_k = kwargs["cu_seq_lens_k"]  # this layer's, once the cache is updated
     max_kv_len = int(kwargs["max_length_k"])
+    if indices is not None:
+        variants.update(
+            _variant_arguments(
+                topk_indices=_topk_within_sequences(indices, cu_seq_lens_q, cu_seq_lens_k)
+            )
+        )
     mask = None
     if layer is not None:  # full attention: transformers' pages, read and written in place
         k_pages, v_pages = layer.k_pages, layer.v_pages

@@ -39,7 +39,7 @@ BackendStatusTable& BackendStatusTable::instance() {
 }
 
 BackendStatusTable::BackendStatusTable() {
-#define ASTR_BACKEND_STATUS(enumerator, name, available, reason) \
+#define ASTR_BACKEND_STATUS(enumerator, name, available, reason, aliases) \
   status_[static_cast<int>(Backend::enumerator)] = {available, reason, 0};
   ASTR_BACKENDS(ASTR_BACKEND_STATUS)
 #undef ASTR_BACKEND_STATUS

@@ -12,42 +12,51 @@
 namespace astr::dispatch {
 
 // The one list of built-in backends, in default priority order (cuda > flash > torch_native):
-//   X(enumerator, name, available at load, reason while unavailable)
-// Everything else derives from it: the enum, names, the status table's first state and the
-// capability rules' table (capability.cpp: one rules function per backend, named <name>_rules).
+//   X(enumerator, name, available at load, reason while unavailable, other names)
+// Everything else derives from it: the enum, names, the status table's first state, the
+// capability rules' table (capability.cpp: one rules function per backend, named <name>_rules)
+// and, through build_info, Python's names (attn_backend("sdpa"), ASTR_BACKEND=sdpa). Other names
+// (comma-separated) are accepted wherever a backend is named and stand for the backend's name.
 // Adding a backend: csrc/README.md.
 #define ASTR_BACKENDS(X)                                                                         \
-  X(kCuda, cuda, false, "library built without CUDA kernels")                                    \
-  X(kFlash, flash, false, "flash-attn not probed yet (astrai.extension probes it on first use)") \
-  X(kTorchNative, torch_native, true, "")
+  X(kCuda, cuda, false, "library built without CUDA kernels", "")                                \
+  X(kFlash, flash, false, "flash-attn not probed yet (astrai.extension probes it on first use)", \
+    "")                                                                                          \
+  X(kTorchNative, torch_native, true, "", "sdpa")
 
 enum class Backend : int {
-#define ASTR_BACKEND_ENUMERATOR(enumerator, name, available, reason) enumerator,
+#define ASTR_BACKEND_ENUMERATOR(enumerator, name, available, reason, aliases) enumerator,
   ASTR_BACKENDS(ASTR_BACKEND_ENUMERATOR)
 #undef ASTR_BACKEND_ENUMERATOR
 };
 constexpr Backend kAllBackends[] = {
-#define ASTR_BACKEND_VALUE(enumerator, name, available, reason) Backend::enumerator,
+#define ASTR_BACKEND_VALUE(enumerator, name, available, reason, aliases) Backend::enumerator,
     ASTR_BACKENDS(ASTR_BACKEND_VALUE)
 #undef ASTR_BACKEND_VALUE
 };
 constexpr int kNumBackends = sizeof(kAllBackends) / sizeof(kAllBackends[0]);
 
 const char* backend_name(Backend backend);
-// "cuda", "flash", "torch_native" -> the backend; anything else -> nullopt.
+// The backend's other names, comma-separated ("sdpa" for torch_native; "" for none).
+const char* backend_aliases(Backend backend);
+// "cuda", "flash", "torch_native" or another name of one ("sdpa") -> the backend; anything else
+// -> nullopt.
 std::optional<Backend> parse_backend(std::string_view name);
-// "cuda, flash, torch_native": for error messages.
+// "cuda, flash, torch_native (or sdpa)": for error messages.
 std::string valid_backend_names();
 
-// The variants a call may ask for (kernels/paged_attention/params.h defines them), and which
-// backends implement each; the capability rules pass a backend by for a variant it lacks. One
-// column per backend, in ASTR_BACKENDS' order:
+// The variants a call may ask for (kernels/paged_attention/params.h defines them; topk_indices,
+// which no kernel takes yet: csrc/README.md), and which backends implement each; the capability
+// rules pass a backend by for a variant it lacks, and a backend's own op refuses it
+// (validate_variant_args). One column per backend, in ASTR_BACKENDS' order:
 //   X(CallDescription field, the op's argument, cuda, flash, torch_native)
-#define ASTR_VARIANTS(X)                     \
-  X(window, "window_left", true, true, true) \
-  X(softcap, "softcap", true, true, true)    \
-  X(sinks, "sinks", true, false, true)       \
-  X(lse, "return_lse", true, true, true)
+#define ASTR_VARIANTS(X)                      \
+  X(window, "window_left", true, true, true)  \
+  X(softcap, "softcap", true, true, true)     \
+  X(sinks, "sinks", true, false, true)        \
+  X(lse, "return_lse", true, true, true)      \
+  X(topk, "topk_indices", false, false, true) \
+  X(tree_mask, "tree_mask", true, false, true)
 
 enum class DeviceKind { kCPU, kCUDA, kOther };
 enum class MaskForm { kNone, kBoolean, kAdditive };
@@ -73,6 +82,9 @@ struct CallDescription {
   Mode mode = Mode::kTraining;
   bool needs_grad = false;
   bool is_causal = false;
+  // floor(log2(max_query_len)) (paged) or of q's length (dense): the length class of the measured
+  // preference table (preferences.h); 0 for a length of 1 or less.
+  int query_len_log2 = 0;
   // Dense calls only: false when q_len != kv_len, where causal alignment conventions differ.
   bool q_len_equals_kv_len = true;
   // Paged calls: why q or the cache pools cannot feed the cuda kernels' 16-byte copies and

@@ -94,7 +94,9 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
     reasons.push_back(astr::kernels::unsupported_head_dim_message(call.head_dim));
   }
   if (call.head_dim_v != call.head_dim) {
-    reasons.push_back("v head_dim must equal q/k head_dim");
+    reasons.push_back("v head_dim " + std::to_string(call.head_dim_v) +
+                      " differs from q/k head_dim " + std::to_string(call.head_dim) +
+                      " (the kernels take equal q/k and v head dims only)");
   }
   if (call.has_kv_cache && !is_power_of_two(call.page_size)) {
     reasons.push_back("page_size " + std::to_string(call.page_size) +
@@ -110,6 +112,39 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
   if (!call.cuda_layout.empty()) reasons.push_back(call.cuda_layout);
   check_kv_dtype(call, /*fp8_cache=*/true, reasons);
   check_heads_divide(call, reasons);
+}
+
+// A v head dim other than q/k's (DeepSeek's MHA form: 192 and 128), as each FlashAttention takes
+// it: 2 never; 3 (sm_90) for q/k in (128, 192] with v in (96, 128], or q/k <= 64 with v <= 512;
+// 4 for (192, 128) everywhere and, on sm_90, any pair of multiples of 8 up to 256. Gradients
+// only with equal dims (the packages' backward for unequal ones is not relied on).
+void check_flash_head_dim_v(const CallDescription& call, const BackendStatus& status,
+                            std::vector<std::string>& reasons) {
+  const int qk = call.head_dim, v = call.head_dim_v;
+  if (v == qk) return;
+  const std::string dims =
+      "v head_dim " + std::to_string(v) + " with q/k head_dim " + std::to_string(qk);
+  bool taken = false;
+  std::string supported;
+  if (status.version == 3) {
+    taken = (qk > 128 && qk <= 192 && v > 96 && v <= 128) || (qk <= 64 && v <= 512);
+    supported =
+        "FlashAttention-3 takes q/k in (128, 192] with v in (96, 128], or q/k <= 64 "
+        "with v <= 512";
+  } else if (status.version == 4) {
+    taken = (qk == 192 && v == 128) || (call.arch == 90 && v <= 256);
+    supported = "FlashAttention-4 takes (192, 128), and on sm_90 any multiples of 8 up to 256";
+  } else {
+    supported = "FlashAttention-2 takes equal q/k and v head dims only";
+  }
+  if (taken && v % 8 != 0) {
+    taken = false;
+    supported = "v head_dim must be a multiple of 8";
+  }
+  if (!taken) reasons.push_back(dims + " not supported (" + supported + ")");
+  if (taken && call.needs_grad) {
+    reasons.push_back("gradients with " + dims + " not supported by the flash backend");
+  }
 }
 
 void flash_rules(const CallDescription& call, const BackendStatus& status, Checks checks,
@@ -141,9 +176,7 @@ void flash_rules(const CallDescription& call, const BackendStatus& status, Check
     reasons.push_back("head_dim " + std::to_string(call.head_dim) +
                       " not supported (supported: multiples of 8 up to 256)");
   }
-  if (call.head_dim_v != call.head_dim) {
-    reasons.push_back("v head_dim must equal q/k head_dim");
-  }
+  check_flash_head_dim_v(call, status, reasons);
   if (call.mask != MaskForm::kNone) {
     reasons.push_back("custom attention mask not supported (only is_causal)");
   }
@@ -190,12 +223,13 @@ using Rules = void (*)(const CallDescription&, const BackendStatus&, Checks,
 
 // One rules function per backend, in the list's order (call_description.h: ASTR_BACKENDS).
 constexpr Rules kRules[] = {
-#define ASTR_BACKEND_RULES(enumerator, name, available, reason) &name##_rules,
+#define ASTR_BACKEND_RULES(enumerator, name, available, reason, aliases) &name##_rules,
     ASTR_BACKENDS(ASTR_BACKEND_RULES)
 #undef ASTR_BACKEND_RULES
 };
 
-// The variants `backend` lacks (call_description.h: ASTR_VARIANTS' columns).
+}  // namespace
+
 void check_variants(Backend backend, const CallDescription& call,
                     std::vector<std::string>& reasons) {
   static_assert(kNumBackends == 3, "ASTR_VARIANTS has one column per backend");
@@ -208,8 +242,6 @@ void check_variants(Backend backend, const CallDescription& call,
   ASTR_VARIANTS(ASTR_VARIANT_RULE)
 #undef ASTR_VARIANT_RULE
 }
-
-}  // namespace
 
 std::vector<std::string> rejection_reasons(Backend backend, const CallDescription& call,
                                            const BackendStatus& status, Checks checks) {

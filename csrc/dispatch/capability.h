@@ -19,6 +19,12 @@ enum class Checks {
   kAll,   // kForm plus placement: built/installed, device and GPU arch
 };
 
+// The variants of `call` that `backend` does not implement (call_description.h: ASTR_VARIANTS'
+// columns), appended to `reasons`: part of rejection_reasons, and the backends' own ops'
+// refusal of what they cannot honour (validate_variant_args).
+void check_variants(Backend backend, const CallDescription& call,
+                    std::vector<std::string>& reasons);
+
 // Every reason `backend` cannot run `call`; empty when it can.
 std::vector<std::string> rejection_reasons(Backend backend, const CallDescription& call,
                                            const BackendStatus& status, Checks checks);

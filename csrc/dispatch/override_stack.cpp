@@ -25,12 +25,13 @@ OverrideStack& OverrideStack::current() {
 }
 
 uint64_t OverrideStack::push(const std::string& name) {
-  if (!parse_backend(name) && !is_python_backend_marker(name)) {
+  const std::optional<Backend> parsed = parse_backend(name);
+  if (!parsed && !is_python_backend_marker(name)) {
     throw std::invalid_argument("unknown attention backend '" + name +
                                 "' (valid: " + valid_backend_names() + ")");
   }
   const uint64_t id = next_entry_id.fetch_add(1, std::memory_order_relaxed);
-  entries_.push_back({id, name});
+  entries_.push_back({id, parsed ? std::string(backend_name(*parsed)) : name});
   return id;
 }
 

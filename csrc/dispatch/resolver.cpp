@@ -1,6 +1,8 @@
 #include "resolver.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -8,6 +10,7 @@
 
 #include "capability.h"
 #include "override_stack.h"
+#include "preferences.h"
 
 namespace astr::dispatch {
 
@@ -59,6 +62,7 @@ bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation,
     if (value < 0 || value > 0xFFFF) return false;
   }
   if (c.arch < 0 || c.arch > 0xFF || c.q_rank < 0 || c.q_rank > 0xF) return false;
+  if (c.query_len_log2 < 0 || c.query_len_log2 > 0x1F) return false;
   key.shape = uint64_t(c.head_dim) | uint64_t(c.head_dim_v) << 16 | uint64_t(c.num_q_heads) << 32 |
               uint64_t(c.num_kv_heads) << 48;
   key.flags = uint64_t(c.page_size) | uint64_t(c.arch) << 16 | uint64_t(c.q_rank) << 24 |
@@ -66,7 +70,8 @@ bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation,
               uint64_t(c.mode) << 40 | uint64_t(c.has_kv_cache) << 44 |
               uint64_t(c.needs_grad) << 45 | uint64_t(c.is_causal) << 46 |
               uint64_t(c.q_len_equals_kv_len) << 47 | uint64_t(s.source) << 48 |
-              uint64_t(c.kv_dtype) << 52 | uint64_t(c.kv_scales) << 56 | uint64_t(c.latent) << 57;
+              uint64_t(c.kv_dtype) << 52 | uint64_t(c.kv_scales) << 56 |
+              uint64_t(c.query_len_log2 & 0x1F) << 57 | uint64_t(c.latent) << 62;
   int bit = 0;
 #define ASTR_VARIANT_BIT(field, argument, cuda, flash, torch_native) \
   key.variants |= uint64_t(c.field) << bit++;
@@ -112,16 +117,20 @@ const char* selection_source_name(SelectionSource source) {
 
 Selection select_backend(const std::string& argument, const std::optional<std::string>& context_top,
                          const std::string& environment, void (*warn)(const std::string&)) {
+  // A backend's other name ("sdpa") stands for its name from here on.
   if (!argument.empty()) {
-    if (!parse_backend(argument)) {
+    const std::optional<Backend> parsed = parse_backend(argument);
+    if (!parsed) {
       throw std::invalid_argument("backend: unknown attention backend '" + argument +
                                   "' (valid: " + valid_backend_names() + ")");
     }
-    return {SelectionSource::kArgument, argument};
+    return {SelectionSource::kArgument, backend_name(*parsed)};
   }
   if (context_top) return {SelectionSource::kContext, *context_top};
   if (!environment.empty()) {
-    if (parse_backend(environment)) return {SelectionSource::kEnvironment, environment};
+    if (const std::optional<Backend> parsed = parse_backend(environment)) {
+      return {SelectionSource::kEnvironment, backend_name(*parsed)};
+    }
     static std::mutex mutex;
     static std::set<std::string> warned;
     bool first = false;
@@ -186,14 +195,30 @@ Decision resolve_backend(const CallDescription& call, const Selection& selection
     return decision;
   }
   decision.fell_back = preferred.has_value();
-  for (Backend backend : kAllBackends) {
+  // The default order, or the faster backend of the call's class where the preference table
+  // measured one (explain() names the entry).
+  std::array<Backend, kNumBackends> order;
+  std::copy(std::begin(kAllBackends), std::end(kAllBackends), order.begin());
+  std::optional<Backend> measured;  // passing it by is no fallback: the default order resumes
+  if (!preferred) {
+    if (const PreferenceEntry* entry =
+            measured_preference(call, status[static_cast<int>(Backend::kFlash)])) {
+      decision.preference = entry->evidence;
+      measured = entry->preferred;
+      const auto at = std::find(order.begin(), order.end(), entry->preferred);
+      std::rotate(order.begin(), at, at + 1);  // the preferred one first, the rest in order
+    }
+  }
+  for (Backend backend : order) {
     if (capable(backend)) {
       decision.chosen = backend;
       return decision;
     }
     // A backend that is present but refused this call's form means the call runs slower than
     // it could: that is a fallback worth reporting.
-    if (status[static_cast<int>(backend)].available) decision.fell_back = true;
+    if (status[static_cast<int>(backend)].available && backend != measured) {
+      decision.fell_back = true;
+    }
   }
   decision.error = "No attention backend can run this call. " + describe_reasons(decision);
   return decision;
@@ -239,6 +264,8 @@ std::string Decision::to_json() const {
   json += fell_back ? "true" : "false";
   json += ", \"error\": ";
   quoted(json, error);
+  json += ", \"preference\": ";
+  quoted(json, preference);
   json += ", \"reasons\": {";
   for (Backend backend : kAllBackends) {
     if (backend != kAllBackends[0]) json += ", ";

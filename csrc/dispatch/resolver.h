@@ -39,6 +39,8 @@ struct Decision {
   bool fell_back = false;         // an implicit choice was skipped for a lower-priority backend
   std::array<std::vector<std::string>, kNumBackends> reasons;  // per backend, empty when capable
   std::string error;  // set when `chosen` is empty: the full message, every backend and why
+  // The measured preference that ordered the default choice (preferences.h), "" where none did.
+  std::string preference;
   // Set once the caller has reported this (memoised) decision's fallback, so repeated calls
   // with the same decision skip building the report.
   mutable bool fallback_reported = false;

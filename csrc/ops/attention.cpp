@@ -147,15 +147,18 @@ at::Tensor attention(const at::Tensor& q ASTR_ATTENTION_PARAMS) {
 
 std::tuple<at::Tensor, at::Tensor> attention_with_lse(const at::Tensor& q ASTR_ATTENTION_PARAMS,
                                                       bool return_lse) {
-  ASTR_CHECK_VALUE(return_lse,
-                   "return_lse: attention.lse returns (out, lse); call attention without "
-                   "return_lse for out alone");
-  AttentionArgs args(q ASTR_ATTENTION_FORWARDED, /*return_lse=*/true);
-  return run_attention(args);
+  AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
+  auto [out, lse] = run_attention(args);
+  // return_lse=False: no LSE is computed, and the schema's second tensor is empty.
+  if (!return_lse) lse = at::empty({0}, q.options().dtype(at::kFloat));
+  return {out, lse};
 }
 
 std::string explain(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse) {
-  const AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
+  AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
+  // As run_attention bounds it, so that explain accepts what attention accepts (a tree mask's
+  // width is checked against the bound).
+  args.max_query_len = bounded_max_query_len(args.q, args.k_cache, args.max_query_len);
   return decide(args, validate_and_describe(args)).to_json();
 }
 

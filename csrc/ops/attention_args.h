@@ -13,7 +13,9 @@
 // (csrc/README.md, "Add an argument").
 //   X(name, schema type, schema default, C++ parameter type)
 // Shapes: dense q [B,Lq,Hq,D], k [B,Lk,Hkv,D], v [B,Lk,Hkv,Dv], mask broadcastable to
-// [B,Hq,Lq,Lk]; paged q [T,Hq,D], pools [P,S,Hkv,D] / [P,S,Hkv,Dv], mask [T,K].
+// [B,Hq,Lq,Lk], topk_indices [B,Lq,k]; paged q [T,Hq,D], pools [P,S,Hkv,D] / [P,S,Hkv,Dv],
+// mask [T,K], topk_indices [T,k], tree_mask [T, max_query_len] (which new tokens of its own
+// sequence each new token sees).
 #define ASTR_ATTENTION_ARGS(X)                                                                   \
   X(k, "Tensor?", "=None", const std::optional<at::Tensor>&)         /* dense only */            \
   X(v, "Tensor?", "=None", const std::optional<at::Tensor>&)         /* dense only */            \
@@ -27,13 +29,15 @@
   X(query_start_loc, "Tensor?", "=None", const std::optional<at::Tensor>&) /* int32 [B+1] */     \
   X(max_query_len, "int", "=0", int64_t)                                   /* a host bound */    \
   X(mode, "str?", "=None", std::optional<c10::string_view>)                /* prefill, decode */ \
-  X(backend, "str?", "=None", std::optional<c10::string_view>)     /* see backend_source */      \
-  X(backend_source, "int", "=0", int64_t)                          /* SelectionSource */         \
-  X(window_left, "int", "=-1", int64_t)                            /* -1: no window */           \
-  X(softcap, "float?", "=None", std::optional<double>)             /* > 0 when set */            \
-  X(sinks, "Tensor?", "=None", const std::optional<at::Tensor>&)   /* float32 [Hq] */            \
-  X(k_scale, "Tensor?", "=None", const std::optional<at::Tensor>&) /* FP8: float32 [Hkv] */      \
-  X(v_scale, "Tensor?", "=None", const std::optional<at::Tensor>&) /* FP8: float32 [Hkv] */
+  X(backend, "str?", "=None", std::optional<c10::string_view>)          /* see backend_source */ \
+  X(backend_source, "int", "=0", int64_t)                               /* SelectionSource */    \
+  X(window_left, "int", "=-1", int64_t)                                 /* -1: no window */      \
+  X(softcap, "float?", "=None", std::optional<double>)                  /* > 0 when set */       \
+  X(sinks, "Tensor?", "=None", const std::optional<at::Tensor>&)        /* float32 [Hq] */       \
+  X(k_scale, "Tensor?", "=None", const std::optional<at::Tensor>&)      /* FP8: float32 [Hkv] */ \
+  X(v_scale, "Tensor?", "=None", const std::optional<at::Tensor>&)      /* FP8: float32 [Hkv] */ \
+  X(topk_indices, "Tensor?", "=None", const std::optional<at::Tensor>&) /* int32 [T,k] */        \
+  X(tree_mask, "Tensor?", "=None", const std::optional<at::Tensor>&)    /* bool [T, max_q] */
 
 // ", Tensor? k=None, ...": the list as schema text, to follow "Tensor q".
 #define ASTR_ATTENTION_SCHEMA_ARG(name, type, default_value, cpp_type) \
@@ -76,9 +80,10 @@ dispatch::Mode parse_mode(std::optional<c10::string_view> mode);
 // errors that name the argument; then describes the call for the resolver.
 dispatch::CallDescription validate_and_describe(const AttentionArgs& args);
 
-// The variants' arguments and the FP8 cache's scales (validate_and_describe checks them too): for
-// the backends' own ops, which direct calls reach without the resolver.
-void validate_variant_args(const AttentionArgs& args);
+// The variants' arguments and the FP8 cache's scales (validate_and_describe checks them too), and
+// that `backend` implements every variant asked for (NotImplementedError naming the argument):
+// for the backends' own ops, which direct calls reach without the resolver.
+void validate_variant_args(const AttentionArgs& args, dispatch::Backend backend);
 
 // The resolver's description from q alone (check_backend): kv heads assumed equal to q heads
 // unless a cache says otherwise.

@@ -49,13 +49,14 @@ Selection call_selection(std::optional<c10::string_view> backend, int64_t backen
     case SelectionSource::kArgument:
       ASTR_CHECK_VALUE(backend.has_value(), "backend: backend_source 1 (argument) needs a name");
       return dispatch::select_backend(name, std::nullopt, "", &warn);
-    case SelectionSource::kContext:
+    case SelectionSource::kContext: {
       // A context names a backend (the stack validates its pushes; this name is the caller's).
-      ASTR_CHECK_VALUE(
-          dispatch::parse_backend(name).has_value() || dispatch::is_python_backend_marker(name),
-          "backend: '", name, "' (backend_source 2, a context) names no backend (valid: ",
-          dispatch::valid_backend_names(), ", or python:LABEL)");
-      return {SelectionSource::kContext, name};
+      const auto parsed = dispatch::parse_backend(name);
+      ASTR_CHECK_VALUE(parsed.has_value() || dispatch::is_python_backend_marker(name), "backend: '",
+                       name, "' (backend_source 2, a context) names no backend ",
+                       "(valid: ", dispatch::valid_backend_names(), ", or python:LABEL)");
+      return {SelectionSource::kContext, parsed ? dispatch::backend_name(*parsed) : name};
+    }
     case SelectionSource::kEnvironment:
       // What ASTR_BACKEND holds: an unknown name is warned about and ignored, as when read here.
       return dispatch::select_backend("", std::nullopt, name, &warn);

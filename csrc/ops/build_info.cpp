@@ -1,5 +1,6 @@
 // How this library was built, recorded by setup.py as macros; and the cuda backend's
 // process-wide status, which depends only on the build.
+#include <algorithm>
 #include <string>
 
 #include "dispatch/backend_status.h"
@@ -15,6 +16,14 @@
 #endif
 #ifndef ASTR_CUDA_ARCHS
 #define ASTR_CUDA_ARCHS ""
+#endif
+// The commit built (setup.py writes this header into build/generated/ on every build; only this
+// file includes it, so a new commit rebuilds only this file).
+#if __has_include("astrai_build_commit.h")
+#include "astrai_build_commit.h"
+#endif
+#ifndef ASTR_GIT_COMMIT
+#define ASTR_GIT_COMMIT ""
 #endif
 
 namespace astr {
@@ -86,14 +95,33 @@ std::string variants_json() {
   return "{" + json + "}";
 }
 
+// The built-in backends in priority order, each with its other names (call_description.h:
+// ASTR_BACKENDS), for Python's names: {"cuda": [], "flash": [], "torch_native": ["sdpa"]}.
+std::string backends_json() {
+  std::string json;
+  for (dispatch::Backend backend : dispatch::kAllBackends) {
+    if (!json.empty()) json += ", ";
+    json += std::string("\"") + dispatch::backend_name(backend) + "\": [";
+    std::string aliases = dispatch::backend_aliases(backend);
+    for (size_t start = 0; !aliases.empty() && start <= aliases.size();) {
+      const size_t comma = std::min(aliases.find(',', start), aliases.size());
+      if (start) json += ", ";
+      json += "\"" + aliases.substr(start, comma - start) + "\"";
+      start = comma + 1;
+    }
+    json += "]";
+  }
+  return "{" + json + "}";
+}
+
 }  // namespace
 
 std::string build_info() {
   return std::string("{\"torch_version\": \"") + ASTR_TORCH_VERSION +
          "\", \"with_cuda\": " + (built_with_cuda() ? "true" : "false") + ", \"cuda_version\": \"" +
-         ASTR_CUDA_VERSION + "\", \"cuda_archs\": \"" + ASTR_CUDA_ARCHS +
-         "\", \"paged_kernels\": " + kernel_list_json() + ", \"variants\": " + variants_json() +
-         "}";
+         ASTR_CUDA_VERSION + "\", \"cuda_archs\": \"" + ASTR_CUDA_ARCHS + "\", \"git_commit\": \"" +
+         ASTR_GIT_COMMIT + "\", \"backends\": " + backends_json() +
+         ", \"paged_kernels\": " + kernel_list_json() + ", \"variants\": " + variants_json() + "}";
 }
 
 }  // namespace astr

@@ -83,6 +83,10 @@ void set_kernel_tuning(c10::string_view tuning);
 std::string kernel_tuning();
 void set_metadata_checks(bool enabled);
 bool metadata_checks();
+// Batch-invariant mode (csrc/support/kernel_settings.h): a sequence's rows of a paged call do not
+// depend on the batch around it.
+void set_batch_invariant(bool enabled);
+bool batch_invariant();
 
 // Latent attention (DeepSeek-family MLA) over a paged latent cache: the query already multiplied
 // by the absorbed key up-projection, q_nope [T,H,Dc] and q_rope [T,H,Dr], attends over one latent

@@ -10,8 +10,8 @@ TORCH_LIBRARY(astr, m) {
   // arguments after q are one list, ASTR_ATTENTION_ARGS (attention_args.h).
   m.def("attention(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS ") -> Tensor");
   m.impl("attention", c10::DispatchKey::CompositeImplicitAutograd, TORCH_FN(astr::attention));
-  // The same, also returning each row's log-sum-exp: attention(..., return_lse=True) resolves to
-  // this overload (return_lse must be True).
+  // The same, also returning each row's log-sum-exp: attention(..., return_lse=...) resolves to
+  // this overload; with return_lse=False no LSE is computed and the second tensor is empty.
   m.def("attention.lse(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS
         ", *, bool return_lse) -> (Tensor, Tensor)");
   m.impl("attention.lse", c10::DispatchKey::CompositeImplicitAutograd,
@@ -38,6 +38,10 @@ TORCH_LIBRARY(astr, m) {
   // (out, lse): lse [T, Hq] float32 when return_lse, else an empty tensor.
   m.def("cuda_paged_attention(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS
         ", *, bool return_lse=False) -> (Tensor, Tensor)");
+  // Which kernel form the cuda backend's plan picks for such a call ("decode/split x13",
+  // "prefill/warp_specialized"), computing the plan only (CUDA key): what the "astrai" logger
+  // and the profiler ranges name (astrai/extension/visibility.py).
+  m.def("cuda_paged_plan(Tensor q" ASTR_ATTENTION_SCHEMA_ARGS ") -> str");
   // The kernel tuning string (csrc/kernels/paged_attention/plan.h: KernelTuning), "" = automatic.
   m.def("set_kernel_tuning(str tuning) -> ()", &astr::set_kernel_tuning);
   m.def("kernel_tuning() -> str", &astr::kernel_tuning);
@@ -45,6 +49,10 @@ TORCH_LIBRARY(astr, m) {
   // on with ASTR_CHECK_METADATA=1).
   m.def("set_metadata_checks(bool enabled) -> ()", &astr::set_metadata_checks);
   m.def("metadata_checks() -> bool", &astr::metadata_checks);
+  // Batch-invariant mode: a sequence's rows of a paged call are the same bits whatever the batch
+  // around it (on with ASTR_BATCH_INVARIANT=1).
+  m.def("set_batch_invariant(bool enabled) -> ()", &astr::set_batch_invariant);
+  m.def("batch_invariant() -> bool", &astr::batch_invariant);
 
   // The flash backend's entry points. Their kernels are registered from Python by the flash
   // probe (astrai/extension/backend/flash_ops.py), wrapping the flash-attn package's own API,

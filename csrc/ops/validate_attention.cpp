@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <string>
 
+#include "dispatch/capability.h"
 #include "ops/append_kv_checks.h"
 #include "ops/attention_args.h"
 #include "ops/paged_metadata_checks.h"
@@ -350,8 +351,102 @@ std::string cuda_layout_of(const at::Tensor& q, const at::Tensor& k_cache,
   return problem;
 }
 
-// The variants' arguments (their meaning: csrc/kernels/paged_attention/params.h), and the FP8
-// cache's scales. Whether a backend implements them is the capability rules' question.
+// topk_indices' values, where reading them costs no synchronisation: each entry is -1 (unused)
+// or a key position of its query's sequence, [0, kv_len) dense, [0, seq_lens[b]) paged.
+void validate_topk_values(const AttentionArgs& a) {
+  const at::Tensor indices = a.topk_indices->cpu().contiguous();
+  const int64_t topk = indices.size(-1);
+  const int32_t* index = indices.data_ptr<int32_t>();
+  const int64_t rows = topk == 0 ? 0 : indices.numel() / topk;
+  std::optional<at::Tensor> lens, starts;
+  int64_t kv_len = 0;
+  if (a.paged()) {
+    lens = a.seq_lens->cpu().contiguous();
+    if (!a.decode()) starts = a.query_start_loc->cpu().contiguous();
+  } else {
+    kv_len = a.k->size(1);
+  }
+  int64_t sequence = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    if (a.paged()) {
+      // Token `row` belongs to the sequence whose query_start_loc range holds it.
+      if (starts) {
+        const int32_t* start = starts->data_ptr<int32_t>();
+        while (start[sequence + 1] <= row) ++sequence;
+      } else {
+        sequence = row;
+      }
+      kv_len = lens->data_ptr<int32_t>()[sequence];
+      if (a.decode() && kv_len == 0) continue;  // a padding slot: zeros, whatever it lists
+    }
+    for (int64_t j = 0; j < topk; ++j) {
+      const int32_t position = index[row * topk + j];
+      ASTR_CHECK_VALUE(position == -1 || (position >= 0 && position < kv_len),
+                       "topk_indices: entry ", j, " of query row ", row, " is ", position,
+                       ", expected -1 (unused) or a key position in [0, ", kv_len, ") (",
+                       a.paged() ? "the length of its sequence" : "kv_len", ")");
+    }
+  }
+}
+
+void validate_topk_indices(const AttentionArgs& a) {
+  const at::Tensor& q = a.q;
+  const at::Tensor& indices = *a.topk_indices;
+  ASTR_CHECK_VALUE(indices.scalar_type() == at::kInt, "topk_indices: expected dtype int32, got ",
+                   indices.scalar_type());
+  check_same_device(q, indices, "topk_indices");
+  if (a.paged()) {
+    ASTR_CHECK_VALUE(indices.dim() == 2 && indices.size(0) == q.size(0),
+                     "topk_indices: paged calls take [tokens, topk] with one row per query "
+                     "token (",
+                     q.size(0), "), got shape ", shape_string(indices));
+  } else {
+    ASTR_CHECK_VALUE(
+        indices.dim() == 3 && indices.size(0) == q.size(0) && indices.size(1) == q.size(1),
+        "topk_indices: dense calls take [batch, q_len, topk] = [", q.size(0), ", ", q.size(1),
+        ", topk], got shape ", shape_string(indices));
+  }
+  const bool readable =
+      has_readable_data(indices) &&
+      (!a.paged() || (has_readable_data(*a.seq_lens) &&
+                      (!a.query_start_loc || has_readable_data(*a.query_start_loc))));
+  if (readable && (indices.device().is_cpu() || metadata_checks_enabled())) {
+    validate_topk_values(a);
+  }
+}
+
+// A tree mask (params.h has the definition): which new tokens of its own sequence each new token
+// of a paged prefill sees, the cached prefix staying visible. It replaces the causal triangle among
+// the new tokens, so it needs is_causal (a non-causal call has no prefix to keep) and excludes
+// attn_mask (whose [T, K] rows can spell out a tree themselves: two masks would have to agree on
+// which one decides). At least max_query_len columns: column j is the sequence's new token j (a
+// bound past the call's token count counts as that count, so a wider mask is fine).
+void validate_tree_mask(const AttentionArgs& a) {
+  const at::Tensor& q = a.q;
+  const at::Tensor& tree = *a.tree_mask;
+  ASTR_CHECK_VALUE(a.paged() && a.call_mode == Mode::kPrefill,
+                   "tree_mask: only for paged calls with mode='prefill' (several new tokens per "
+                   "sequence over k_cache), got a ",
+                   a.paged() ? "decode" : "dense", " call");
+  ASTR_CHECK_VALUE(a.is_causal,
+                   "tree_mask: needs is_causal=True (the tree takes the place of the causal "
+                   "triangle among a sequence's new tokens; its cached prefix stays visible), got "
+                   "is_causal=False");
+  ASTR_CHECK_VALUE(!a.attn_mask,
+                   "tree_mask, attn_mask: give one of them (an attn_mask [tokens, kv_positions] "
+                   "can spell out a tree over the kv positions itself)");
+  const bool shaped = tree.scalar_type() == at::kBool && tree.dim() == 2 &&
+                      tree.sym_size(0) == q.sym_size(0) && tree.sym_size(1) >= a.max_query_len;
+  ASTR_CHECK_VALUE(shaped, "tree_mask: expected a bool tensor [tokens, max_query_len] = [",
+                   size_string(q.sym_size(0)), ", ", a.max_query_len,
+                   "] (row t: which new tokens of its sequence token t sees), got ",
+                   tree.scalar_type(), " of shape ", shape_string(tree));
+  check_same_device(q, tree, "tree_mask");
+}
+
+// The variants' arguments (their meaning: csrc/kernels/paged_attention/params.h; topk_indices:
+// csrc/README.md), and the FP8 cache's scales. Whether a backend implements them is the
+// capability rules' question.
 void validate_variants(const AttentionArgs& a) {
   const at::Tensor& q = a.q;
   ASTR_CHECK_VALUE(a.window_left >= -1 && a.window_left <= INT32_MAX,
@@ -379,6 +474,7 @@ void validate_variants(const AttentionArgs& a) {
         sinks.scalar_type(), " of shape ", shape_string(sinks));
     check_same_device(q, sinks, "sinks");
   }
+  if (a.tree_mask) validate_tree_mask(a);
   ASTR_CHECK_VALUE(a.k_scale.has_value() == a.v_scale.has_value(),
                    "k_scale, v_scale: give both or neither");
   if (a.k_scale) {
@@ -397,6 +493,17 @@ void validate_variants(const AttentionArgs& a) {
       }
     }
   }
+  if (a.topk_indices) validate_topk_indices(a);
+}
+
+// The variants a call asks for (ASTR_VARIANTS' fields).
+void describe_variants(const AttentionArgs& a, CallDescription& call) {
+  call.window = a.window_left >= 0;
+  call.softcap = a.softcap.has_value();
+  call.sinks = a.sinks.has_value();
+  call.lse = a.return_lse;
+  call.topk = a.topk_indices.has_value();
+  call.tree_mask = a.tree_mask.has_value();
 }
 
 bool any_requires_grad(const AttentionArgs& a) {
@@ -496,12 +603,11 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
   }
   call.mask = mask_form(a.attn_mask);
   call.mode = a.call_mode;
+  const int64_t query_len = a.paged() ? a.max_query_len : a.q.size(1);
+  for (int64_t length = query_len; length > 1; length >>= 1) ++call.query_len_log2;
   call.needs_grad = any_requires_grad(a);
   call.is_causal = a.is_causal;
-  call.window = a.window_left >= 0;
-  call.softcap = a.softcap.has_value();
-  call.sinks = a.sinks.has_value();
-  call.lse = a.return_lse;
+  describe_variants(a, call);
   call.kv_dtype = scalar_type_of((a.paged() ? *a.k_cache : *a.k).scalar_type());
   call.kv_scales = a.k_scale.has_value();
   return call;
@@ -538,6 +644,13 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
   return call;
 }
 
-void validate_variant_args(const AttentionArgs& args) { validate_variants(args); }
+void validate_variant_args(const AttentionArgs& args, dispatch::Backend backend) {
+  validate_variants(args);
+  CallDescription call;
+  describe_variants(args, call);
+  std::vector<std::string> missing;
+  dispatch::check_variants(backend, call, missing);
+  TORCH_CHECK_NOT_IMPLEMENTED(missing.empty(), missing.empty() ? "" : missing.front());
+}
 
 }  // namespace astr

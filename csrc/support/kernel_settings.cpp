@@ -36,11 +36,11 @@ TuningState& tuning_state() {
   return *state;
 }
 
-// ASTR_CHECK_METADATA's value as a switch: 1/true/yes/on or 0/false/no/off in any case (unset or
-// empty: off). Anything else raises, naming the variable, at every use until it is fixed: a typo
-// must not silently leave the checks off.
-bool checks_from_environment() {
-  const char* env = std::getenv("ASTR_CHECK_METADATA");
+// An environment variable's value as a switch: 1/true/yes/on or 0/false/no/off in any case (unset
+// or empty: off). Anything else raises, naming the variable, at every use until it is fixed: a typo
+// must not silently leave the switch off. `what`: what the switch turns on, for the message.
+bool switch_from_environment(const char* variable, const char* what) {
+  const char* env = std::getenv(variable);
   std::string value = env != nullptr ? env : "";
   std::transform(value.begin(), value.end(), value.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
@@ -48,15 +48,19 @@ bool checks_from_environment() {
     if (value == on) return true;
   for (const char* off : {"", "0", "false", "no", "off"})
     if (value == off) return false;
-  ASTR_CHECK_VALUE(false,
-                   "ASTR_CHECK_METADATA: expected 1, true, yes or on (checks on) or 0, "
-                   "false, no or off (checks off), in any case; got '",
-                   env, "'");
+  ASTR_CHECK_VALUE(false, variable, ": expected 1, true, yes or on (", what,
+                   " on) or 0, false, no or off (", what, " off), in any case; got '", env, "'");
 }
 
 std::atomic<bool>& checks_flag() {
   // A throwing initialiser leaves the static uninitialised: the next use reads the variable again.
-  static std::atomic<bool> flag{checks_from_environment()};
+  static std::atomic<bool> flag{switch_from_environment("ASTR_CHECK_METADATA", "checks")};
+  return flag;
+}
+
+std::atomic<bool>& batch_invariant_flag() {
+  static std::atomic<bool> flag{
+      switch_from_environment("ASTR_BATCH_INVARIANT", "batch-invariant results")};
   return flag;
 }
 
@@ -90,5 +94,11 @@ std::string kernel_tuning() {
 void set_metadata_checks(bool enabled) { checks_flag().store(enabled); }
 
 bool metadata_checks() { return metadata_checks_enabled(); }
+
+bool batch_invariant_enabled() { return batch_invariant_flag().load(std::memory_order_relaxed); }
+
+void set_batch_invariant(bool enabled) { batch_invariant_flag().store(enabled); }
+
+bool batch_invariant() { return batch_invariant_enabled(); }
 
 }  // namespace astr

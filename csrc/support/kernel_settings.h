@@ -18,4 +18,10 @@ astr::kernels::KernelTuning current_kernel_tuning();
 // synchronisation per call: for debugging, not for CUDA-graph capture.
 bool metadata_checks_enabled();
 
+// Batch-invariant mode (ASTR_BATCH_INVARIANT, read at first use with ASTR_CHECK_METADATA's
+// switch values, or set_batch_invariant): every paged call's output rows for a sequence are the
+// same bits whatever the batch around it (the cuda plans: plan.h, BatchInvariance; torch_native:
+// backends/torch_native.cpp). Read by each call: no host synchronisation.
+bool batch_invariant_enabled();
+
 }  // namespace astr

@@ -150,3 +150,17 @@ def test_plots_are_drawn_from_the_sweeps(result, tmp_path):
 
 def test_gpu_names_become_file_names():
     assert safe_name("NVIDIA H200 (synthetic)") == "NVIDIA-H200-synthetic"
+
+
+def test_a_peer_that_is_not_installed_prints_so_not_as_an_error():
+    from report import progress_line
+
+    missing = decode_row("flashinfer_fa2", 16, 4096, None, family="flashinfer")
+    missing["error"] = "skipped: flashinfer not installed (No module named 'flashinfer')"
+    line = progress_line(missing)
+    assert "not installed: flashinfer not installed (No module named 'flashinfer')" in line
+    assert "ERROR" not in line
+    by_design = decode_row("sdpa_math", 16, 4096, None, family="sdpa")
+    by_design["error"] = "skipped: math materializes S x S scores (S > 4096)"
+    assert "skipped: math materializes" in progress_line(by_design)
+    assert "ERROR" in progress_line(decode_row("cuda_ps16", 16, 4096, None))  # a failure is one

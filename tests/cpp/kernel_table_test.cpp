@@ -1,7 +1,9 @@
-// csrc/README.md's table "Which kernel runs a call", walked row by row through the plan: the
-// table is what the plan does, or this test fails. Rows name a GPU (an H100 for sm_90 with a
-// library built for sm_90a, an A100 for sm_80), head dims, the call kind, the cache, a decode
-// batch (Hq 32 and Hkv 8 unless the row says otherwise) and the form the plan picks.
+// csrc/README.md's tables "Which kernel runs a call" (the default mode, and batch-invariant
+// mode), walked row by row through the plan: the tables are what the plan does, or this test
+// fails. Rows name a GPU (an H100 for sm_90 with a library built for sm_90a, an A100 for sm_80),
+// head dims, the call kind (prefill, decode, or verify: a prefill-mode call of Q new tokens per
+// sequence), the cache, a decode or verify batch (Hq 32 and Hkv 8 unless the row says otherwise)
+// and the form the plan picks.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -25,10 +27,13 @@ using astr::kernels::PrefillPlan;
 
 constexpr char kBegin[] = "<!-- kernel table begin -->";
 constexpr char kEnd[] = "<!-- kernel table end -->";
+constexpr char kInvariantBegin[] = "<!-- batch-invariant kernel table begin -->";
+constexpr char kInvariantEnd[] = "<!-- batch-invariant kernel table end -->";
 
 struct Row {
   std::string text;  // the row as written, for failure messages
   std::string gpu, head_dims, call, cache, batch, form;
+  bool batch_invariant;  // a row of the batch-invariant table
 };
 
 std::string trim(const std::string& text) {
@@ -46,19 +51,19 @@ std::vector<std::string> split(const std::string& text, char separator) {
   return parts;
 }
 
-// The table's body rows (after its header and separator lines).
-std::vector<Row> table_rows() {
+// A table's body rows (after its header and separator lines); batch_invariant: which table.
+std::vector<Row> table_rows(bool batch_invariant) {
   std::ifstream file(ASTR_CSRC_README);
   std::string line;
   bool inside = false;
   int header_lines = 0;
   std::vector<Row> rows;
   while (std::getline(file, line)) {
-    if (line.find(kBegin) != std::string::npos) {
+    if (line.find(batch_invariant ? kInvariantBegin : kBegin) != std::string::npos) {
       inside = true;
       continue;
     }
-    if (line.find(kEnd) != std::string::npos) break;
+    if (inside && line.find(batch_invariant ? kInvariantEnd : kEnd) != std::string::npos) break;
     if (!inside || line.rfind("|", 0) != 0) continue;
     if (header_lines < 2) {
       ++header_lines;
@@ -67,7 +72,8 @@ std::vector<Row> table_rows() {
     std::vector<std::string> cells = split(line.substr(1, line.rfind('|') - 1), '|');
     EXPECT_EQ(cells.size(), 6u) << line;
     if (cells.size() != 6) continue;
-    rows.push_back({line, cells[0], cells[1], cells[2], cells[3], cells[4], cells[5]});
+    rows.push_back(
+        {line, cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], batch_invariant});
   }
   return rows;
 }
@@ -92,7 +98,8 @@ DeviceFacts device_of(const std::string& gpu) {
   return facts;
 }
 
-// "B=16 L=4096 Hkv=32": L is the block table's width in positions.
+// "B=16 L=4096 Hkv=32 Q=8": L is the block table's width in positions, Q a verify's new tokens
+// per sequence (its max_query_len).
 DecodeShape decode_shape(const std::string& batch, int head_dim, bool fp8) {
   DecodeShape shape;
   shape.num_q_heads = 32;
@@ -108,58 +115,76 @@ DecodeShape decode_shape(const std::string& batch, int head_dim, bool fp8) {
     if (key == "L") shape.block_table_positions = value;
     if (key == "Hq") shape.num_q_heads = static_cast<int>(value);
     if (key == "Hkv") shape.num_kv_heads = static_cast<int>(value);
+    if (key == "Q") shape.query_len = static_cast<int>(value);
   }
+  if (shape.query_len > 0)
+    shape.num_tokens = static_cast<int64_t>(shape.num_seqs) * shape.query_len;
   return shape;
+}
+
+std::string decode_form(const DecodePlan& plan) {
+  if (!plan.error.empty()) return plan.error;
+  return astr::kernels::describe_plan(plan);
 }
 
 // What the plan picks, written as the table's form column writes it.
 std::string planned_form(const Row& row, int head_dim) {
   const DeviceFacts device = device_of(row.gpu);
   const bool fp8 = row.cache.rfind("FP8", 0) == 0;
+  DecodeShape shape = decode_shape(row.batch, head_dim, fp8);
+  shape.batch_invariant = row.batch_invariant;
   if (row.call == "decode") {
-    const DecodePlan plan =
-        astr::kernels::plan_paged_decode(decode_shape(row.batch, head_dim, fp8), device, {});
-    if (!plan.error.empty()) return plan.error;
-    return std::string(astr::kernels::decode_form_name(plan.form)) + " x" +
-           std::to_string(plan.num_splits);
+    EXPECT_EQ(shape.query_len, 0) << "a decode has one token per sequence: " << row.text;
+    return decode_form(astr::kernels::plan_paged_decode(shape, device, {}));
   }
-  EXPECT_EQ(row.call, "prefill") << row.text;
+  if (row.call == "verify") {
+    EXPECT_GT(shape.query_len, 0) << "a verify row names its Q: " << row.text;
+    if (astr::kernels::prefill_runs_as_verify(shape.query_len, {}, row.batch_invariant))
+      return decode_form(astr::kernels::plan_paged_decode(shape, device, {}));
+  } else {
+    EXPECT_EQ(row.call, "prefill") << row.text;
+  }
   std::optional<int64_t> scratch;
   if (fp8) {
     const bool past_limit = row.cache.find("past the scratch limit") != std::string::npos;
     scratch = past_limit ? kFp8ScratchLimitBytes + 1 : kFp8ScratchLimitBytes;
   }
-  const PrefillPlan plan =
-      astr::kernels::plan_paged_prefill(head_dim, device, KernelTuning{}, scratch);
+  const PrefillPlan plan = astr::kernels::plan_paged_prefill(head_dim, device, KernelTuning{},
+                                                             scratch, {}, row.batch_invariant);
   if (!plan.error.empty()) return plan.error;
-  std::string form = astr::kernels::prefill_kernel_name(plan.kernel);
-  if (fp8) form += plan.dequantize_fp8_first ? " on dequantized pages" : " reading FP8";
-  return form;
+  return astr::kernels::describe_plan(plan, fp8);
 }
 
 TEST(KernelTable, EveryRowIsWhatThePlanPicks) {
-  const std::vector<Row> rows = table_rows();
-  ASSERT_GE(rows.size(), 10u) << "no table between " << kBegin << " and " << kEnd << " in "
-                              << ASTR_CSRC_README;
-  for (const Row& row : rows) {
-    for (const std::string& head_dim : split(row.head_dims, ',')) {
-      EXPECT_EQ(planned_form(row, std::stoi(head_dim)), row.form)
-          << "head dim " << head_dim << " of the row\n  " << row.text;
+  for (bool batch_invariant : {false, true}) {
+    const std::vector<Row> rows = table_rows(batch_invariant);
+    ASSERT_GE(rows.size(), 5u) << "no table between "
+                               << (batch_invariant ? kInvariantBegin : kBegin) << " and its end in "
+                               << ASTR_CSRC_README;
+    for (const Row& row : rows) {
+      for (const std::string& head_dim : split(row.head_dims, ',')) {
+        EXPECT_EQ(planned_form(row, std::stoi(head_dim)), row.form)
+            << "head dim " << head_dim << " of the row\n  " << row.text;
+      }
     }
   }
 }
 
-// Every head dim the kernels are built for appears in the table, for prefill and for decode.
+// Every head dim the kernels are built for appears in both tables, for prefill, decode and
+// verify.
 TEST(KernelTable, CoversEveryHeadDimAndCallKind) {
-  const std::vector<Row> rows = table_rows();
-  for (const auto& forms : astr::kernels::kPagedHeadDims) {
-    for (const std::string call : {"prefill", "decode"}) {
-      bool found = false;
-      for (const Row& row : rows) {
-        for (const std::string& head_dim : split(row.head_dims, ','))
-          found |= row.call == call && std::stoi(head_dim) == forms.head_dim;
+  for (bool batch_invariant : {false, true}) {
+    const std::vector<Row> rows = table_rows(batch_invariant);
+    for (const auto& forms : astr::kernels::kPagedHeadDims) {
+      for (const std::string call : {"prefill", "decode", "verify"}) {
+        bool found = false;
+        for (const Row& row : rows) {
+          for (const std::string& head_dim : split(row.head_dims, ','))
+            found |= row.call == call && std::stoi(head_dim) == forms.head_dim;
+        }
+        EXPECT_TRUE(found) << call << " at head dim " << forms.head_dim << " has no row"
+                           << (batch_invariant ? " in the batch-invariant table" : "");
       }
-      EXPECT_TRUE(found) << call << " at head dim " << forms.head_dim << " has no row";
     }
   }
 }

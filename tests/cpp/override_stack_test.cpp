@@ -34,8 +34,14 @@ TEST_F(OverrideStackTest, InnermostPushWinsAndPopRestoresOuter) {
 
 TEST_F(OverrideStackTest, UnknownNameIsRejectedAndNotPushed) {
   auto& stack = OverrideStack::current();
-  EXPECT_THROW(stack.push("sdpa"), std::invalid_argument);
+  EXPECT_THROW(stack.push("sdp"), std::invalid_argument);
   EXPECT_EQ(stack.depth(), 0u);
+}
+
+TEST_F(OverrideStackTest, AnotherNameIsPushedAsTheBackendsName) {
+  auto& stack = OverrideStack::current();
+  stack.push("sdpa");
+  EXPECT_EQ(stack.top(), "torch_native");
 }
 
 TEST_F(OverrideStackTest, PythonBackendMarkerIsAccepted) {

@@ -477,4 +477,162 @@ TEST(PrefillPlan, BlocksGoInPanelsOfPairsWhoseKvFitsHalfTheL2) {
   EXPECT_NE(astr::kernels::parse_kernel_tuning("prefill_l2_panel=wide", &tuned), "");
 }
 
+// ---- Verify: a prefill-mode call of few new tokens per sequence on the decode forms -----------
+
+DecodeShape verify(int batch, int64_t length, int query_len, int head_dim = 128) {
+  DecodeShape shape = decode(batch, length, head_dim);
+  shape.query_len = query_len;
+  shape.num_tokens = static_cast<int64_t>(batch) * query_len;
+  return shape;
+}
+
+TEST(Verify, UpTo16NewTokensPerSequenceRunOnTheDecodeForms) {
+  using astr::kernels::prefill_runs_as_verify;
+  const KernelTuning automatic;
+  for (int64_t max_query_len : {1, 2, 4, 8, 16})
+    EXPECT_TRUE(prefill_runs_as_verify(max_query_len, automatic, false)) << max_query_len;
+  EXPECT_FALSE(prefill_runs_as_verify(17, automatic, false));
+  EXPECT_FALSE(prefill_runs_as_verify(4096, automatic, false));
+  EXPECT_FALSE(prefill_runs_as_verify(0, automatic, false));
+}
+
+TEST(Verify, TheTuningForcesItAtAnyLengthOrNever) {
+  using astr::kernels::prefill_runs_as_verify;
+  KernelTuning always, never;
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("verify_form=always", &always), "");
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("verify_form=never", &never), "");
+  EXPECT_TRUE(prefill_runs_as_verify(4096, always, false));
+  EXPECT_FALSE(prefill_runs_as_verify(4, never, false));
+  KernelTuning bad;
+  EXPECT_NE(astr::kernels::parse_kernel_tuning("verify_form=sometimes", &bad), "");
+}
+
+TEST(Verify, RowsPackNewTokensTimesTheGroupIntoTilesOf16) {
+  using astr::kernels::decode_items;
+  // GQA 32/8: 4 rows per token; 8 drafts are 32 rows, 2 row tiles per (sequence, kv head).
+  EXPECT_EQ(decode_items(16, 32, 8, 1), 16 * 8);
+  EXPECT_EQ(decode_items(16, 32, 8, 4), 16 * 8);
+  EXPECT_EQ(decode_items(16, 32, 8, 8), 16 * 8 * 2);
+  EXPECT_EQ(decode_items(16, 32, 8, 16), 16 * 8 * 4);
+  EXPECT_EQ(decode_items(2, 32, 32, 5), 2 * 32);  // MHA: 5 rows of one head in one tile
+}
+
+TEST(Verify, ThePlanSplitsItsItemsAsADecodeAndSizesTheWorkspaceByTokens) {
+  // B = 16, 8 drafts: 256 items fill one wave alone: one split, no workspace.
+  const DecodePlan wide = plan(verify(16, 8192, 8));
+  EXPECT_EQ(wide.num_splits, 1);
+  EXPECT_EQ(wide.workspace_floats, 0u);
+  // B = 1, 4 drafts over 32768 positions: 8 items, the splits fill the wave, partial rows per
+  // token.
+  const DecodePlan narrow = plan(verify(1, 32768, 4));
+  EXPECT_EQ(narrow.form, DecodeForm::kSplit);
+  EXPECT_EQ(narrow.num_splits, 33);
+  EXPECT_EQ(narrow.workspace_floats, 33u * 4 * 32 * (128 + 1));
+}
+
+TEST(Verify, NeverRunsThePersistentDecodeWhichTakesOneTokenPerSequence) {
+  EXPECT_EQ(plan(decode(48, 4096)).form, DecodeForm::kPersistent);
+  EXPECT_NE(plan(verify(48, 4096, 1)).form, DecodeForm::kPersistent);  // a prefill-mode call
+  EXPECT_NE(plan(verify(12, 4096, 4)).form, DecodeForm::kPersistent);
+  EXPECT_NE(plan(verify(12, 4096, 4), h200(), "decode_form=persistent").form,
+            DecodeForm::kPersistent);
+}
+
+// ---- Batch-invariant mode: what a sequence's rows go through depends on the sequence alone -----
+
+DecodeShape invariant(DecodeShape shape) {
+  shape.batch_invariant = true;
+  return shape;
+}
+
+TEST(BatchInvariance, EveryDecodeRunsTheSplitFormWhateverTheBatch) {
+  for (int batch : {1, 8, 16, 48, 64, 128}) {
+    for (int head_dim : {64, 96, 128, 256}) {
+      if (!astr::kernels::paged_head_dim_built(head_dim)) continue;
+      for (const DeviceFacts& device : {h200(), a100()}) {
+        const DecodePlan p = plan(invariant(decode(batch, 4096, head_dim)), device);
+        EXPECT_EQ(p.error, "");
+        EXPECT_EQ(p.form, DecodeForm::kSplit) << batch << " " << head_dim;
+        EXPECT_EQ(p.split_tiles, astr::kernels::kInvariantSplitTiles);
+        EXPECT_EQ(p.num_splits, 4) << batch << " " << head_dim;  // 64 tiles of 64 positions
+      }
+    }
+  }
+}
+
+TEST(BatchInvariance, SplitsAreAFixedNumberOfConsecutiveTilesAsManyAsTheTableNeeds) {
+  using astr::kernels::invariant_decode_splits;
+  EXPECT_EQ(invariant_decode_splits(tiles(32768), 16), 32);
+  EXPECT_EQ(invariant_decode_splits(tiles(32768 + 1), 16), 33);
+  EXPECT_EQ(invariant_decode_splits(tiles(4096), 16), 4);
+  const DecodePlan p = plan(invariant(decode(1, 32768)));
+  EXPECT_EQ(p.num_splits, 32);
+  EXPECT_EQ(p.workspace_floats, 32u * 1 * 32 * (128 + 1));
+  // An FP8 cache's tiles are twice as long: half as many splits over the same positions.
+  DecodeShape fp8 = invariant(decode(1, 32768));
+  fp8.kv_bytes = 1;
+  EXPECT_EQ(plan(fp8).num_splits, 16);
+}
+
+TEST(BatchInvariance, AtLeastTwoSplitsSoThatEveryDecodeMergesInTheMergeKernel) {
+  using astr::kernels::invariant_decode_splits;
+  EXPECT_EQ(invariant_decode_splits(1, 16), 2);
+  EXPECT_EQ(invariant_decode_splits(16, 16), 2);
+  EXPECT_EQ(invariant_decode_splits(0, 16), 2);
+  EXPECT_EQ(plan(invariant(decode(64, 64))).num_splits, 2);
+  EXPECT_GT(plan(invariant(decode(64, 64))).workspace_floats, 0u);
+}
+
+TEST(BatchInvariance, AWiderTableOnlyAddsSplitsPastTheNarrowerTablesOnes) {
+  // A sequence alone (its own table width) and in a batch padded to a longer one: the same split
+  // size, so split s covers the same tiles in both, and the extra splits lie past its length.
+  const DecodePlan alone = plan(invariant(decode(1, 2048)));
+  const DecodePlan batched = plan(invariant(decode(100, 30000)));
+  EXPECT_EQ(alone.split_tiles, batched.split_tiles);
+  EXPECT_EQ(alone.form, batched.form);
+  EXPECT_LT(alone.num_splits, batched.num_splits);
+}
+
+TEST(BatchInvariance, TheTuningSetsTheSplitSizeAndNoForm) {
+  const DecodePlan p =
+      plan(invariant(decode(16, 4096)), h200(),
+           "invariant_split_tiles=8,decode_form=eight_warps,decode_splits=1,persistent_blocks=3");
+  EXPECT_EQ(p.form, DecodeForm::kSplit);
+  EXPECT_EQ(p.split_tiles, 8);
+  EXPECT_EQ(p.num_splits, 8);
+  KernelTuning bad;
+  EXPECT_NE(astr::kernels::parse_kernel_tuning("invariant_split_tiles=0", &bad), "");
+}
+
+TEST(BatchInvariance, APrefillModeCallNeverRunsAsAVerifyWhoseChoiceReadsTheBatch) {
+  using astr::kernels::prefill_runs_as_verify;
+  KernelTuning always;
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("verify_form=always", &always), "");
+  for (int64_t max_query_len : {1, 4, 16, 300}) {
+    EXPECT_FALSE(prefill_runs_as_verify(max_query_len, KernelTuning{}, true));
+    EXPECT_FALSE(prefill_runs_as_verify(max_query_len, always, true));
+  }
+}
+
+TEST(BatchInvariance, AnFp8PrefillReadsTheBytesWhateverTheScratchWouldTake) {
+  using astr::kernels::kFp8ScratchLimitBytes;
+  auto prefill = [](int head_dim, const DeviceFacts& device, int64_t scratch,
+                    const KernelTuning& tuning = {}) {
+    return astr::kernels::plan_paged_prefill(head_dim, device, tuning, scratch, {}, true);
+  };
+  for (int64_t scratch : {int64_t{1}, kFp8ScratchLimitBytes, kFp8ScratchLimitBytes * 8}) {
+    EXPECT_FALSE(prefill(128, h200(), scratch).dequantize_fp8_first);
+    EXPECT_EQ(prefill(128, h200(), scratch).kernel, PrefillKernel::kWgmma);
+    EXPECT_EQ(prefill(64, h200(), scratch).kernel, PrefillKernel::kMmaSync);
+    EXPECT_EQ(prefill(128, a100(), scratch).kernel, PrefillKernel::kMmaSync);
+  }
+  // A forced choice is the same for every batch: kept.
+  KernelTuning dequantize;
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning("fp8_prefill=dequantize_first", &dequantize), "");
+  EXPECT_TRUE(prefill(128, h200(), kFp8ScratchLimitBytes * 8, dequantize).dequantize_fp8_first);
+  // A 16-bit cache's prefill kernel is the default mode's (it reads no batch size).
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), {}, std::nullopt, {}, true).kernel,
+            PrefillKernel::kWarpSpecialized);
+}
+
 }  // namespace

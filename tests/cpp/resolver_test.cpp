@@ -76,6 +76,18 @@ TEST(SelectBackend, OnlyArgumentAndContextAreStrict) {
   EXPECT_FALSE(select_backend("", std::nullopt, "cuda", nullptr).is_strict());
 }
 
+TEST(SelectBackend, OtherNamesStandForTheBackendsName) {
+  EXPECT_EQ(parse_backend("sdpa"), Backend::kTorchNative);
+  EXPECT_EQ(parse_backend("torch_native"), Backend::kTorchNative);
+  EXPECT_EQ(parse_backend("sdp"), std::nullopt);
+  EXPECT_EQ(parse_backend(""), std::nullopt);
+  EXPECT_EQ(select_backend("sdpa", std::nullopt, "", nullptr).name, "torch_native");
+  EXPECT_EQ(select_backend("", std::nullopt, "sdpa", nullptr).name, "torch_native");
+  EXPECT_EQ(select_backend("", std::nullopt, "sdpa", nullptr).source,
+            SelectionSource::kEnvironment);
+  EXPECT_NE(valid_backend_names().find("torch_native (or sdpa)"), std::string::npos);
+}
+
 TEST(SelectBackend, UnknownArgumentThrows) {
   EXPECT_THROW(select_backend("fast", std::nullopt, "", nullptr), std::invalid_argument);
 }
@@ -284,6 +296,59 @@ TEST(FlashCapability, CausalWithUnequalLengthsIsRejected) {
   CallDescription call = dense_training();
   call.q_len_equals_kv_len = false;
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll), "top-left"));
+}
+
+TEST(CudaCapability, NamesHeadDim512AndUnequalQkAndVHeadDims) {
+  BackendStatus ok{true, "", 0};
+  CallDescription call = paged_decode();
+  call.head_dim = call.head_dim_v = 512;  // Gemma 4's global layers
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "512"));
+  call.head_dim = 192;  // DeepSeek's MHA form
+  call.head_dim_v = 128;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       "v head_dim 128 differs from q/k head_dim 192"));
+}
+
+TEST(FlashCapability, UnequalQkAndVHeadDimsAsEachFlashAttentionTakesThem) {
+  BackendStatus fa2{true, "", 2}, fa3{true, "", 3}, fa4{true, "", 4};
+  CallDescription call = dense_training();
+  call.needs_grad = false;
+  call.mode = Mode::kPrefill;
+  call.head_dim = 192;
+  call.head_dim_v = 128;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll),
+                       "FlashAttention-2 takes equal q/k and v head dims only"));
+  EXPECT_TRUE(rejection_reasons(Backend::kFlash, call, fa3, Checks::kAll).empty());
+  EXPECT_TRUE(rejection_reasons(Backend::kFlash, call, fa4, Checks::kAll).empty());
+  call.arch = 100;  // FA4 off Hopper: (192, 128) only
+  EXPECT_TRUE(rejection_reasons(Backend::kFlash, call, fa4, Checks::kAll).empty());
+  call.head_dim_v = 64;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa4, Checks::kAll),
+                       "v head_dim 64 with q/k head_dim 192 not supported"));
+  call.arch = 90;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa3, Checks::kAll),
+                       "FlashAttention-3 takes"));
+  call.head_dim_v = 128;
+  call.needs_grad = true;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa3, Checks::kAll),
+                       "gradients with v head_dim 128"));
+}
+
+TEST(VariantColumns, TopkIndicesRunOnTorchNativeOnly) {
+  BackendStatus ok{true, "", 3};
+  CallDescription call = paged_decode();
+  call.topk = true;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       "topk_indices not supported by the cuda backend"));
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, ok, Checks::kAll),
+                       "topk_indices not supported by the flash backend"));
+  EXPECT_TRUE(rejection_reasons(Backend::kTorchNative, call, ok, Checks::kAll).empty());
+  std::vector<std::string> missing;
+  check_variants(Backend::kCuda, call, missing);
+  EXPECT_EQ(missing.size(), 1u);
+  Decision implicit = resolve_backend(call, {}, all_available());
+  ASSERT_TRUE(implicit.chosen.has_value());
+  EXPECT_EQ(*implicit.chosen, Backend::kTorchNative);
 }
 
 TEST(TorchNativeCapability, RunsEveryFloatingCallOnAnyDevice) {

@@ -339,3 +339,18 @@ def test_flash4_dense_stays_one_node_in_a_compiled_graph(flash4_double):
     backward_code = recorder.bw_graphs[0].code
     assert "astr.flash_dense.default" in forward_code
     assert "astr.flash_dense_backward.default" in backward_code
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash4_dense_op_takes_unequal_qk_and_v_head_dims(flash4_double, is_causal):
+    """DeepSeek's MHA form, (192, 128): v's head dim reaches the package as it is and shapes
+    the output (the capability rules let FlashAttention-3/4 take it: resolver_test.cpp)."""
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 12, h, 192, generator=g) for h in (4, 2))
+    v = torch.randn(1, 12, 2, 128, generator=g)
+    out, _ = torch.ops.astr.flash_dense(q, k, v, is_causal, 0.07)
+    assert out.shape == (1, 12, 4, 128)
+    expected = torch.ops.astr.attention(
+        q, k, v, is_causal=is_causal, scale=0.07, backend="torch_native"
+    )
+    torch.testing.assert_close(out, expected)

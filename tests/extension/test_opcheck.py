@@ -62,9 +62,11 @@ def dense_sample(
     mask=None,
     is_causal=False,
     requires_grad=False,
+    topk=None,
     seed=0,
 ):
-    """(args, kwargs) of one dense astr::attention call; q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]."""
+    """(args, kwargs) of one dense astr::attention call; q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D];
+    with ``topk``, topk_indices [B, Lq, topk] (distinct key positions)."""
     g = generator(seed)
     q = randn(
         batch,
@@ -103,7 +105,13 @@ def dense_sample(
         attn_mask = attn_mask.to(device)
     elif mask == "additive":  # [B, 1, Lq, Lk]
         attn_mask = randn(batch, 1, q_len, kv_len, g=g, dtype=dtype, device=device)
-    return (q, k, v), dict(attn_mask=attn_mask, is_causal=is_causal)
+    kwargs = dict(attn_mask=attn_mask, is_causal=is_causal)
+    if topk is not None:
+        picks = [torch.randperm(kv_len, generator=g)[:topk] for _ in range(batch * q_len)]
+        kwargs["topk_indices"] = (
+            torch.stack(picks).view(batch, q_len, topk).to(device=device, dtype=torch.int32)
+        )
+    return (q, k, v), kwargs
 
 
 DENSE_SAMPLES = {
@@ -116,6 +124,7 @@ DENSE_SAMPLES = {
     "mqa": dict(q_heads=4, kv_heads=1, is_causal=True),
     "grad-f32": dict(requires_grad=True, is_causal=True),
     "grad-f64-gqa-mask": dict(requires_grad=True, dtype=torch.float64, mask="bool"),
+    "grad-topk-causal": dict(requires_grad=True, is_causal=True, topk=3),
 }
 
 
@@ -139,10 +148,12 @@ def paged_step(cache, new_tokens, *, q_heads=4, g, block_table_width=None):
     return q, step
 
 
-def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None):
+def attention_paged_args(
+    q, cache, step, *, is_causal=True, attn_mask=None, topk_indices=None, tree_mask=None
+):
     """(args, kwargs) of a paged astr::attention call over layer 0 of ``cache``."""
     k_pool, v_pool = cache.layer(0)
-    return (q, None, None), dict(
+    kwargs = dict(
         attn_mask=attn_mask,
         is_causal=is_causal,
         k_cache=k_pool,
@@ -153,13 +164,31 @@ def attention_paged_args(q, cache, step, *, is_causal=True, attn_mask=None):
         max_query_len=step.max_query_len,
         mode=step.mode,
     )
+    if topk_indices is not None:
+        kwargs["topk_indices"] = topk_indices
+    if tree_mask is not None:
+        kwargs["tree_mask"] = tree_mask
+    return (q, None, None), kwargs
+
+
+def topk_rows(step, topk, g):
+    """int32 [T, topk]: for each new token, positions within its sequence (-1 where the
+    sequence is shorter than topk)."""
+    lengths = step.seq_lens.tolist()
+    counts = (step.query_start_loc[1:] - step.query_start_loc[:-1]).tolist()
+    rows = []
+    for length, count in zip(lengths, counts):
+        for _ in range(count):
+            row = torch.randperm(length, generator=g)[:topk].tolist()
+            rows.append(row + [-1] * (topk - len(row)))
+    return torch.tensor(rows, dtype=torch.int32, device=step.seq_lens.device)
 
 
 def paged_samples(
     *, dtype=torch.float32, device="cpu", head_dim=16, page_size=4, q_heads=4, kv_heads=2, seed=1
 ):
     """Samples over one cache: a ragged causal prefill, a chunked prefill onto cached tokens
-    with a boolean mask, and decode steps (causal and not)."""
+    with a boolean mask, a verify of trees of drafts, and decode steps (causal and not)."""
     g = generator(seed)
     cache = build_cache(
         page_size=page_size,
@@ -176,8 +205,28 @@ def paged_samples(
     capacity = step.block_table.shape[1] * page_size
     mask = (torch.rand(q.shape[0], capacity, generator=g) > 0.3).to(device)
     samples["prefill-chunk-mask"] = attention_paged_args(q, cache, step, attn_mask=mask)
+    samples["prefill-chunk-topk"] = attention_paged_args(
+        q, cache, step, topk_indices=topk_rows(step, 4, g)
+    )
+    q, step = paged_step(cache, {0: 3, 1: 4}, q_heads=q_heads, g=g)
+    tree = torch.tensor(
+        [
+            [1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 0, 0, 0],
+            [0, 1, 0, 0],
+            [1, 1, 1, 0],
+            [0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    samples["verify-tree"] = attention_paged_args(q, cache, step, tree_mask=tree.to(device))
     q, step = paged_step(cache, {0: 1, 1: 1, 2: 1}, q_heads=q_heads, g=g)
     samples["decode"] = attention_paged_args(q, cache, step)
+    samples["decode-topk"] = attention_paged_args(
+        q, cache, step, topk_indices=topk_rows(step, 3, g)
+    )
     q, step = paged_step(cache, {2: 1, 0: 1}, q_heads=q_heads, g=g)
     samples["decode-noncausal"] = attention_paged_args(q, cache, step, is_causal=False)
     return samples
@@ -206,7 +255,18 @@ def test_dense_attention_passes_opcheck(name):
     torch.library.opcheck(torch.ops.astr.attention.default, args, kwargs, test_utils=ALL_CHECKS)
 
 
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "prefill",
+        "prefill-chunk-mask",
+        "prefill-chunk-topk",
+        "verify-tree",
+        "decode",
+        "decode-topk",
+        "decode-noncausal",
+    ],
+)
 def test_paged_attention_passes_opcheck_on_cpu(name):
     args, kwargs = paged_samples()[name]
     torch.library.opcheck(
@@ -214,7 +274,9 @@ def test_paged_attention_passes_opcheck_on_cpu(name):
     )
 
 
-@pytest.mark.parametrize("name", ["prefill", "decode"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "verify-tree", "decode", "prefill-chunk-topk", "decode-topk"]
+)
 def test_paged_attention_aot_dispatch_on_cpu(name):
     args, kwargs = paged_samples()[name]
     torch.library.opcheck(
@@ -251,7 +313,9 @@ def test_dense_attention_passes_opcheck_on_cuda(name):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "prefill-chunk-mask", "verify-tree", "decode", "decode-noncausal"]
+)
 @pytest.mark.parametrize(
     "dtype, head_dim",
     [(torch.float32, 16), (torch.bfloat16, 64), (torch.bfloat16, 128)],
@@ -273,7 +337,9 @@ def test_append_kv_passes_opcheck_on_cuda(dtype, skip_one):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["prefill", "prefill-chunk-mask", "decode", "decode-noncausal"])
+@pytest.mark.parametrize(
+    "name", ["prefill", "prefill-chunk-mask", "verify-tree", "decode", "decode-noncausal"]
+)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_cuda_paged_attention_passes_opcheck(name, head_dim):
     """The cuda backend's op itself (CUDA kernel + Python fake), bf16."""

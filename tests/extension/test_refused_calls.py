@@ -195,7 +195,7 @@ def test_a_paged_call_with_only_one_of_k_and_v_raises_naming_the_other(missing):
     kv = {"k": torch.randn(1, 3, 2, 8), "v": torch.randn(1, 3, 2, 8)}
     kv[missing] = None
     pools = [p.clone() for p in cache.layer(0)]
-    with pytest.raises(ValueError, match=f"^{missing}: None while"):
+    with pytest.raises(TypeError, match=f"^{missing}: expected a tensor, got None while"):
         attention(q, kv["k"], kv["v"], kv_cache=cache, fwd="prefill", is_causal=True)
     for before, after in zip(pools, cache.layer(0)):
         assert torch.equal(before, after)

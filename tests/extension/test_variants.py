@@ -243,3 +243,212 @@ def test_compile_fullgraph_over_the_variant_arguments():
     got = compiled(q, k, v, sinks)
     want = step(q, k, v, sinks)
     assert torch.allclose(got[0], want[0], atol=1e-5) and torch.allclose(got[1], want[1], atol=1e-5)
+
+
+# -- top-k indices (DeepSeek sparse attention) -------------------------------------------------
+# Each query row lists the key positions it may see (int32, shared by all heads; -1: unused);
+# it sees exactly the listed keys that its mask, causality and window also allow.
+
+
+def random_topk(rows, length, topk, generator, unused=0.25):
+    """int32 [rows, topk]: distinct positions of [0, length) per row, some entries -1."""
+    picks = torch.stack(
+        [torch.randperm(length, generator=generator)[:topk] for _ in range(rows)]
+    ).to(torch.int32)
+    picks[torch.rand(picks.shape, generator=generator) < unused] = -1
+    return picks
+
+
+TOPK_VARIANTS = [
+    dict(),
+    dict(window_left=4),
+    dict(softcap=2.0, sinks=True),
+    dict(window_left=3, softcap=3.0, sinks=True),
+]
+
+
+@pytest.mark.parametrize("variant", TOPK_VARIANTS, ids=lambda v: "+".join(sorted(v)) or "plain")
+@pytest.mark.parametrize("is_causal", [True, False], ids=["causal", "full"])
+def test_dense_topk_indices_match_the_definition(variant, is_causal):
+    if not is_causal and "window_left" in variant:
+        pytest.skip("a window needs is_causal")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = dense_inputs(lq=7, lk=11)
+    indices = random_topk(2 * 7, 11, 5, g).view(2, 7, 5)
+    args = materialize(variant, q.shape[2])
+    out, lse = ae.attention(
+        q, k, v, is_causal=is_causal, topk_indices=indices, return_lse=True, **args
+    )
+    ref_out, ref_lse = dense_reference(
+        q, k, v, is_causal=is_causal, topk_indices=indices, return_lse=True, **args
+    )
+    assert close(out, ref_out, 1e-10) and close(lse, ref_lse, 1e-5)
+    # Control: the same call without the indices (dense attention) fails the comparison.
+    dense = ae.attention(q, k, v, is_causal=is_causal, **args)
+    assert not close(dense, ref_out, 1e-6)
+
+
+def test_dense_topk_indices_combine_with_a_mask_and_pass_gradcheck():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (t.requires_grad_(True) for t in dense_inputs(batch=1, lq=5, lk=6, hq=2, hkv=1, d=4))
+    indices = random_topk(5, 6, 3, g, unused=0.0).view(1, 5, 3)
+    mask = torch.rand(5, 6, generator=g) > 0.3
+    out = ae.attention(q, k, v, attn_mask=mask, topk_indices=indices)
+    ref = dense_reference(q.detach(), k.detach(), v.detach(), attn_mask=mask, topk_indices=indices)
+    assert close(out.detach(), ref, 1e-10)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: ae.attention(q, k, v, attn_mask=mask, topk_indices=indices), (q, k, v)
+    )
+
+
+def test_a_position_listed_twice_counts_once_and_minus_one_lists_nothing():
+    q, k, v = dense_inputs(batch=1, lq=2, lk=6)
+    twice = torch.tensor([[[3, 3, 5, 5], [0, 0, 0, 0]]], dtype=torch.int32)
+    once = torch.tensor([[[3, 5, -1, -1], [-1, 0, -1, -1]]], dtype=torch.int32)
+    assert torch.equal(
+        ae.attention(q, k, v, topk_indices=twice), ae.attention(q, k, v, topk_indices=once)
+    )
+    nothing = torch.full((1, 2, 4), -1, dtype=torch.int32)
+    out, lse = ae.attention(q, k, v, topk_indices=nothing, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("variant", TOPK_VARIANTS, ids=lambda v: "+".join(sorted(v)) or "plain")
+@pytest.mark.parametrize("fwd", ["prefill", "decode"])
+def test_paged_topk_indices_match_the_definition_over_ragged_batches(variant, fwd):
+    """Cached prefixes, a ragged batch, page size 4, shuffled pages; each token lists positions
+    within its own sequence (0 .. seq_len - 1), future ones included (causality removes them)."""
+    hq, hkv, d, page = 4, 2, 16, 4
+    g = torch.Generator().manual_seed(5)
+    args = materialize(variant, hq)
+    cache = PagedKVCache(1, 64, page, hkv, d, dtype=torch.float64)
+    cache._free_pages = list(torch.randperm(64, generator=g).tolist())
+    prefixes, new = [9, 3, 14], ([1, 1, 1] if fwd == "decode" else [3, 1, 6])
+    keys = [torch.randn(p + n, hkv, d, dtype=torch.float64) for p, n in zip(prefixes, new)]
+    values = [torch.randn(p + n, hkv, d, dtype=torch.float64) for p, n in zip(prefixes, new)]
+    cache.begin_step([0, 1, 2], prefixes)
+    history_k = torch.cat([key[:p] for key, p in zip(keys, prefixes)])[None]
+    history_v = torch.cat([value[:p] for value, p in zip(values, prefixes)])[None]
+    ae.attention(
+        history_k.new_zeros(1, sum(prefixes), hq, d),
+        history_k,
+        history_v,
+        kv_cache=cache,
+        fwd="prefill",
+        is_causal=True,
+    )
+    cache.begin_step([0, 1, 2], new)
+    kn = torch.cat([key[p:] for key, p in zip(keys, prefixes)])[None]
+    vn = torch.cat([value[p:] for value, p in zip(values, prefixes)])[None]
+    q = torch.randn(1, sum(new), hq, d, dtype=torch.float64)
+    rows = [random_topk(n, p + n, 4, g) for p, n in zip(prefixes, new)]
+    out, lse = ae.attention(
+        q,
+        kn,
+        vn,
+        kv_cache=cache,
+        fwd=fwd,
+        is_causal=True,
+        topk_indices=torch.cat(rows),
+        return_lse=True,
+        **args,
+    )
+    starts = [0, *torch.tensor(new).cumsum(0).tolist()]
+    ref_out, ref_lse = (
+        torch.cat(parts)
+        for parts in zip(
+            *(
+                sequence_reference(
+                    q[0, starts[s] : starts[s + 1]],
+                    keys[s],
+                    values[s],
+                    is_causal=True,
+                    topk_indices=rows[s],
+                    return_lse=True,
+                    **args,
+                )
+                for s in range(3)
+            )
+        )
+    )
+    assert close(out[0], ref_out, 1e-10) and close(lse[0], ref_lse, 1e-5)
+    # Control: the same step without the indices fails the comparison.
+    dense = ae.attention(q, None, None, kv_cache=cache, fwd=fwd, is_causal=True, **args)
+    assert not close(dense[0], ref_out, 1e-6)
+
+
+def test_topk_indices_are_checked_naming_the_argument():
+    q, k, v = dense_inputs(batch=1, lq=3, lk=5)
+    good = torch.zeros(1, 3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_indices: expected dtype int32"):
+        ae.attention(q, k, v, topk_indices=good.long())
+    with pytest.raises(ValueError, match=r"topk_indices: dense calls take \[batch, q_len, topk\]"):
+        ae.attention(q, k, v, topk_indices=good[0])
+    for bad in (5, -2):
+        indices = good.clone()
+        indices[0, 1, 1] = bad
+        with pytest.raises(ValueError, match=rf"topk_indices: entry 1 of query row 1 is {bad}"):
+            ae.attention(q, k, v, topk_indices=indices)
+    cache = PagedKVCache(1, 8, 4, 1, 16, dtype=torch.float64)
+    cache.begin_step([0, 1], [3, 2])
+    kn = torch.randn(1, 5, 1, 16, dtype=torch.float64)
+    paged = torch.zeros(5, 2, dtype=torch.int32)
+    paged[4, 0] = 2  # sequence 1 has 2 tokens: positions 0 and 1
+    with pytest.raises(
+        ValueError,
+        match=r"entry 0 of query row 4 is 2, expected -1 \(unused\) or a key position in \[0, 2\)",
+    ):
+        ae.attention(
+            torch.randn(1, 5, 4, 16, dtype=torch.float64),
+            kn,
+            kn,
+            kv_cache=cache,
+            fwd="prefill",
+            is_causal=True,
+            topk_indices=paged,
+        )
+    assert not cache.k_pools[0].any(), "a refused call writes nothing"
+
+
+def test_an_unchecked_bad_entry_gives_nan_rows_never_finite_numbers():
+    """Compiled code runs no host checks (its values are unknown while tracing): a row listing a
+    position outside its sequence is NaN, every other row exact."""
+    q, k, v = dense_inputs(batch=1, lq=3, lk=5)
+    indices = torch.tensor([[[0, 1], [2, 9], [4, -1]]], dtype=torch.int32)
+    compiled = torch.compile(
+        lambda q, k, v, i: ae.attention(q, k, v, topk_indices=i),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    out = compiled(q, k, v, indices)
+    assert torch.isnan(out[0, 1]).all()
+    good = indices.clone()
+    good[0, 1] = -1
+    ref = dense_reference(q, k, v, topk_indices=good)
+    assert close(out[0, 0::2], ref[0, 0::2], 1e-10)
+
+
+def test_cuda_and_flash_pass_topk_indices_by_naming_it():
+    q, k, v = dense_inputs(dtype=torch.bfloat16)
+    indices = torch.zeros(2, 9, 3, dtype=torch.int32)
+    decision = ae.explain(q, k, v, topk_indices=indices)
+    for backend in ("cuda", "flash"):
+        assert f"topk_indices not supported by the {backend} backend" in decision.rejected[backend]
+    assert decision.backend == "torch_native"
+
+
+def test_opcheck_and_compile_over_topk_indices():
+    g = torch.Generator().manual_seed(6)
+    q, k, v = dense_inputs(dtype=torch.float32)
+    indices = random_topk(2 * 9, 9, 4, g).view(2, 9, 4)
+    torch.library.opcheck(
+        torch.ops.astr.attention.default, (q, k, v), dict(is_causal=True, topk_indices=indices)
+    )
+    torch.library.opcheck(
+        torch.ops.astr.attention.lse,
+        (q.requires_grad_(), k, v),
+        dict(is_causal=True, window_left=3, topk_indices=indices, return_lse=True),
+    )
+    step = lambda q, k, v, i: ae.attention(q, k, v, is_causal=True, topk_indices=i)  # noqa: E731
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(q, k, v, indices), step(q, k, v, indices), atol=1e-6)

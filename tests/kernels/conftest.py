@@ -24,6 +24,7 @@ def cuda_op(
     return_lse=False,
     k_scale=None,
     v_scale=None,
+    tree_mask=None,
 ):
     """astr::cuda_paged_attention (the cuda backend's op, over attention's arguments) for a
     paged call, positionally in the order the kernel tests build their calls; (out, lse)."""
@@ -44,6 +45,7 @@ def cuda_op(
         sinks=sinks,
         k_scale=k_scale,
         v_scale=v_scale,
+        tree_mask=tree_mask,
         return_lse=return_lse,
     )
 

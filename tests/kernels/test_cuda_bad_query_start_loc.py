@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import PREFILL_KERNEL_TUNINGS
+from tests.kernels.conftest import PREFILL_KERNEL_TUNINGS, cuda_op
 from tests.kernels.test_cuda_kernels import PagedBatch
 
 pytestmark = [
@@ -35,7 +35,7 @@ def fill_next_allocation(shape, dtype, value=1234.0):
 def run(batch, query_start_loc, max_query_len, return_lse=False):
     q = batch.q
     fill_next_allocation(q.shape, q.dtype)
-    out, lse = torch.ops.astr.cuda_paged_attention(
+    out, lse = cuda_op(
         q,
         batch.k_cache,
         batch.v_cache,

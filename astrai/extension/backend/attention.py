@@ -73,7 +73,17 @@ def _ensure_probed() -> None:
         _flash_probed = True
 
 
-def call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse) -> dict:
+def call_options(
+    attn_mask,
+    is_causal,
+    scale,
+    window_left,
+    softcap,
+    sinks,
+    return_lse,
+    topk_indices,
+    tree_mask,
+) -> dict:
     """The op's arguments of an ``attention`` / ``explain`` call beyond its tensors and
     selection, by name (call.py leaves out those at the schema's defaults)."""
     return dict(
@@ -84,12 +94,22 @@ def call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, retur
         softcap=softcap,
         sinks=sinks,
         return_lse=return_lse,
+        topk_indices=topk_indices,
+        tree_mask=tree_mask,
     )
 
 
 # What a backend written in Python receives (AttentionBackend.forward); every other option runs
 # only on the built-in backends.
 PYTHON_BACKEND_OPTIONS = ("attn_mask", "is_causal")
+
+
+def _topk_rows(topk_indices, kv_cache):
+    """topk_indices as the op takes them: over a cache one row per query token, ``[T, topk]``
+    (the API's q is ``[..., T-ish, heads, head_dim]``, flattened to tokens the same way)."""
+    if topk_indices is None or kv_cache is None or topk_indices.dim() < 3:
+        return topk_indices
+    return topk_indices.flatten(0, -2)
 
 
 def attention(
@@ -107,6 +127,8 @@ def attention(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    topk_indices: Optional[torch.Tensor] = None,
+    tree_mask: Optional[torch.Tensor] = None,
 ):
     """Attention over BLHD q/k/v (``[batch, seq_len, heads, head_dim]``).
 
@@ -123,10 +145,32 @@ def attention(
     with no value. ``return_lse=True`` returns ``(out, lse)``: lse float32, out's shape without
     its last dim, the natural log of each row's softmax denominator (sink included; -inf for a
     row that sees no key, whose out is 0). ``merge_states`` combines two such partial results.
+    ``topk_indices`` (int32, shared by all heads; DeepSeek sparse attention): the key positions
+    each query row may see, ``[batch, q_len, topk]`` for dense calls (positions along k's
+    length), q's leading dims plus ``topk`` over a cache (positions within the row's sequence,
+    0 .. seq_len - 1); -1 marks an unused entry, a position listed twice counts once, and the
+    row sees exactly the listed keys that its mask, causality and window also allow.
+
+    ``tree_mask`` (speculative decoding's verify of a tree of drafts; ``fwd="prefill"`` over
+    ``kv_cache``, ``is_causal=True``): bool ``[T, max_query_len]`` over the step's new tokens,
+    row t for new token t of the step, column j for new token j of that token's own sequence
+    (``kv_cache.step.max_query_len`` columns). A new token sees its sequence's cached prefix and
+    exactly the new tokens its row names (the lower triangle is the causal mask); window,
+    softcap, sinks, lse and an FP8 cache apply as usual. Not with ``attn_mask``.
     """
     _ensure_probed()
     selection = observe(backend)
-    options = call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse)
+    options = call_options(
+        attn_mask,
+        is_causal,
+        scale,
+        window_left,
+        softcap,
+        sinks,
+        return_lse,
+        _topk_rows(topk_indices, kv_cache),
+        tree_mask,
+    )
     python_backend = selection.python_backend
     if python_backend is not None:
         unsupported = [n for n in options_off_default(options) if n not in PYTHON_BACKEND_OPTIONS]
@@ -167,6 +211,8 @@ class Decision:
     fell_back: bool = False
     error: str = ""
     rejected: Dict[str, List[str]] = field(default_factory=dict)
+    # The measured preference that ordered a default choice (the run and rows), "" where none did.
+    preference: str = ""
 
     def __str__(self) -> str:
         lines = [
@@ -176,6 +222,8 @@ class Decision:
         ]
         for name, reasons in self.rejected.items():
             lines.append(f"  {name}: " + ("; ".join(reasons) if reasons else "can run it"))
+        if self.preference:
+            lines.append(f"  measured preference: {self.preference}")
         if self.error:
             lines.append(f"  error: {self.error}")
         return "\n".join(lines)
@@ -196,13 +244,25 @@ def explain(
     softcap: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     return_lse: bool = False,
+    topk_indices: Optional[torch.Tensor] = None,
+    tree_mask: Optional[torch.Tensor] = None,
 ) -> Decision:
     """The resolver's decision for a call, without running it (nothing is appended)."""
     _ensure_probed()
     selection = observe(backend)
     if selection.python_backend is not None:
         return Decision(type(selection.python_backend).__name__, selection.source.name.lower())
-    options = call_options(attn_mask, is_causal, scale, window_left, softcap, sinks, return_lse)
+    options = call_options(
+        attn_mask,
+        is_causal,
+        scale,
+        window_left,
+        softcap,
+        sinks,
+        return_lse,
+        _topk_rows(topk_indices, kv_cache),
+        tree_mask,
+    )
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     data = json.loads(torch.ops.astr.explain(**args))
     return Decision(
@@ -212,4 +272,5 @@ def explain(
         data["fell_back"],
         data["error"],
         data["reasons"],
+        data["preference"],
     )

@@ -7,6 +7,11 @@ import json
 
 import torch
 
+from .. import ops, visibility
+
+_visible = visibility.enabled
+_attention_op = torch.ops.astr.attention
+
 
 def paged_query_tokens(q):
     """The query of a call over a KV cache as tokens ``[T, q_heads, head_dim]``."""
@@ -90,18 +95,35 @@ def check_call(args: dict) -> None:
         raise RuntimeError(decision["error"])
 
 
+def run_op(args: dict):
+    """``torch.ops.astr.attention(**args)``: every call of the Python API goes through here, so
+    that the ``astrai`` logger and profiler ranges see it (astrai.extension.visibility; off
+    unless asked for)."""
+    if _visible():
+        return visibility.run_visibly(_attention_op, args)
+    return _attention_op(**args)
+
+
+def _observe_batch_invariance() -> bool:
+    """Batch-invariant mode as the Python side holds it (ops._BatchInvariance). Branched on, so
+    that torch.compile guards on it (a value it only loads, it does not): a graph traced in one
+    mode recompiles in the other, since the torch_native backend decomposes at trace time."""
+    return True if ops._BatchInvariance.enabled else False
+
+
 def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
     """Runs a call on the built-in backends (the C++ resolver chooses, given ``selection``;
     ``options``: as for ``op_arguments``). Over a KV cache, new k/v are appended once the op's
     checks have passed, then q attends. Returns out, or (out, lse) with ``return_lse``."""
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
     if kv_cache is None:
-        return torch.ops.astr.attention(**args)
+        return run_op(args)
+    _observe_batch_invariance()
     if (k is None) != (v is None):
         missing, given = ("k", "v") if k is None else ("v", "k")
-        raise ValueError(
-            f"{missing}: None while {given} is given; a call over kv_cache appends both new k "
-            "and v, or neither (both None: attend over what the cache holds)"
+        raise TypeError(
+            f"{missing}: expected a tensor, got None while {given} is given (a call over "
+            "kv_cache appends both new k and v, or neither: both None attend over the cache)"
         )
     if k is not None:
         # While torch.compile traces, the trace itself runs these checks on fake tensors before
@@ -109,7 +131,7 @@ def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
         if not torch.compiler.is_compiling():
             check_call(args)
         kv_cache.append(layer_id, k, v)
-    result = torch.ops.astr.attention(**args)
+    result = run_op(args)
     if args.get("return_lse", False):
         out, lse = result
         return out.view(*q.shape[:-1], out.shape[-1]), lse.view(q.shape[:-1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Dict, List, Type
 
 from .base import AttentionBackend
-from .registry import BUILTIN_BACKENDS
+from .registry import BACKEND_ALIASES, BUILTIN_BACKENDS
 
 _SINGLETONS: Dict[type, AttentionBackend] = {}
 
@@ -38,12 +38,18 @@ class AttentionBackendFactory:
 
     @classmethod
     def get(cls, name: str) -> Type[AttentionBackend]:
+        """The class registered under ``name``, or under the built-in name it is another name
+        of ("sdpa": torch_native)."""
         try:
             return cls._registry[name]
         except KeyError:
-            raise ValueError(
-                f"Unknown component: {name!r} (registered: {', '.join(cls._registry)})"
-            ) from None
+            pass
+        if name in BACKEND_ALIASES and name not in cls._registry:
+            return cls._registry[BACKEND_ALIASES[name]]
+        aliases = "".join(f", {alias} (= {name})" for alias, name in BACKEND_ALIASES.items())
+        raise ValueError(
+            f"Unknown component: {name!r} (registered: {', '.join(cls._registry)}{aliases})"
+        )
 
     @classmethod
     def create(cls, name: str) -> AttentionBackend:

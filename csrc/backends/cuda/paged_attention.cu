@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "backends/cuda/paged_attention_checks.h"
@@ -22,14 +23,31 @@
 namespace astr::backends {
 namespace {
 
+// The decode forms' plan for a decode, or for a verify (verify_len > 0: its max_query_len).
+kernels::DecodePlan plan_decode(const PagedCallShape& shape, const AttentionArgs& args,
+                                const kernels::DeviceFacts& device,
+                                const kernels::KernelTuning& tuning, bool batch_invariant,
+                                int verify_len) {
+  kernels::DecodeShape decode = decode_shape(shape, args);
+  decode.batch_invariant = batch_invariant;
+  if (verify_len > 0) {
+    decode.query_len = verify_len;
+    decode.num_tokens = shape.num_tokens;
+  }
+  return kernels::plan_paged_decode(decode, device, tuning);
+}
+
+// A decode, or a verify (a prefill-mode call the plan gives the decode forms: verify_len, its
+// max_query_len, > 0).
 kernels::LaunchStatus launch_decode(const kernels::PagedAttentionParams& base,
                                     const PagedCallShape& shape, const AttentionArgs& args,
                                     const kernels::DeviceFacts& device,
-                                    const kernels::KernelTuning& tuning, cudaStream_t stream) {
-  kernels::PagedDecodeParams params{};
+                                    const kernels::KernelTuning& tuning, bool batch_invariant,
+                                    int verify_len, cudaStream_t stream) {
+  kernels::PagedVerifyParams params{};
   static_cast<kernels::PagedAttentionParams&>(params) = base;
   const kernels::DecodePlan plan =
-      kernels::plan_paged_decode(decode_shape(shape, args), device, tuning);
+      plan_decode(shape, args, device, tuning, batch_invariant, verify_len);
   ASTR_CHECK(plan.error.empty(), "cuda_paged_attention: ", plan.error);
   const at::TensorOptions floats = args.q.options().dtype(at::kFloat);
   // Sized from shapes only (split count, T, Hq, D), never from seq_lens' values.
@@ -45,7 +63,10 @@ kernels::LaunchStatus launch_decode(const kernels::PagedAttentionParams& base,
     claim_counter = at::empty({1}, args.q.options().dtype(at::kInt));
     params.persistent_claim_counter = claim_counter.data_ptr<int32_t>();
   }
-  return kernels::launch_paged_decode(params, plan, stream);
+  if (verify_len == 0) return kernels::launch_paged_decode(params, plan, stream);
+  params.query_start_loc = args.query_start_loc->data_ptr<int32_t>();
+  params.max_query_len = verify_len;
+  return kernels::launch_paged_verify(params, plan, stream);
 }
 
 // The pages a prefill reads of an FP8 cache, dequantized into pools of q's dtype (page w of
@@ -94,12 +115,9 @@ DequantizedPages dequantize_pages(kernels::PagedPrefillParams& params, const Pag
   return out;
 }
 
-kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
-                                     const PagedCallShape& shape, const AttentionArgs& args,
-                                     const kernels::DeviceFacts& device,
-                                     const kernels::KernelTuning& tuning, cudaStream_t stream) {
-  kernels::PagedPrefillParams params{};
-  static_cast<kernels::PagedAttentionParams&>(params) = base;
+kernels::PrefillPlan plan_prefill(const PagedCallShape& shape, const AttentionArgs& args,
+                                  const kernels::DeviceFacts& device,
+                                  const kernels::KernelTuning& tuning, bool batch_invariant) {
   const int64_t q_bytes = args.q.element_size();
   // An FP8 cache: the plan says whether its pages are dequantized first (within a scratch limit)
   // or the kernel reads the bytes.
@@ -108,8 +126,19 @@ kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
     scratch_bytes = 2 * shape.num_seqs * shape.width * shape.page_size * shape.num_kv_heads *
                     shape.head_dim * q_bytes;
   }
-  const kernels::PrefillPlan plan = kernels::plan_paged_prefill(
-      base.head_dim, device, tuning, scratch_bytes, prefill_kv_footprint(shape, q_bytes));
+  return kernels::plan_paged_prefill(static_cast<int>(shape.head_dim), device, tuning,
+                                     scratch_bytes, prefill_kv_footprint(shape, q_bytes),
+                                     batch_invariant);
+}
+
+kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
+                                     const PagedCallShape& shape, const AttentionArgs& args,
+                                     const kernels::DeviceFacts& device,
+                                     const kernels::KernelTuning& tuning, bool batch_invariant,
+                                     cudaStream_t stream) {
+  kernels::PagedPrefillParams params{};
+  static_cast<kernels::PagedAttentionParams&>(params) = base;
+  const kernels::PrefillPlan plan = plan_prefill(shape, args, device, tuning, batch_invariant);
   DequantizedPages dequantized;  // alive until the launch is queued
   if (shape.fp8 && plan.error.empty() && plan.dequantize_fp8_first) {
     dequantized = dequantize_pages(params, shape, args, stream);
@@ -134,15 +163,49 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(const at::Tensor& q ASTR
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const kernels::DeviceFacts device = kernels::current_device_facts();
   const kernels::KernelTuning tuning = current_kernel_tuning();
-  const kernels::LaunchStatus status =
-      args.decode() ? launch_decode(base, shape, args, device, tuning, stream)
-                    : launch_prefill(base, shape, args, device, tuning, stream);
+  const bool invariant = batch_invariant_enabled();
+  const int64_t new_tokens_bound = std::min<int64_t>(args.max_query_len, INT32_MAX);
+  kernels::LaunchStatus status;
+  if (args.decode()) {
+    status = launch_decode(base, shape, args, device, tuning, invariant, 0, stream);
+  } else if (kernels::prefill_runs_as_verify(new_tokens_bound, tuning, invariant)) {
+    status = launch_decode(base, shape, args, device, tuning, invariant,
+                           static_cast<int>(new_tokens_bound), stream);
+  } else {
+    status = launch_prefill(base, shape, args, device, tuning, invariant, stream);
+  }
   ASTR_CHECK(status.ok(), "cuda_paged_attention: ", status.error);
   return {out, lse};
 }
 
+// What the plan picks for this call, as "decode/split x13" or "prefill/warp_specialized" (the
+// kernel table's words, kernels::describe_plan); the plan's error where no form can run it.
+// Computes the plan only: no allocation, no launch.
+std::string cuda_paged_plan(const at::Tensor& q ASTR_ATTENTION_PARAMS) {
+  const AttentionArgs args(q ASTR_ATTENTION_FORWARDED, /*return_lse=*/false);
+  const PagedCallShape shape = check_cuda_paged_call(args);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const kernels::DeviceFacts device = kernels::current_device_facts();
+  const kernels::KernelTuning tuning = current_kernel_tuning();
+  const bool invariant = batch_invariant_enabled();
+  const int64_t new_tokens_bound = std::min<int64_t>(args.max_query_len, INT32_MAX);
+  const bool verify =
+      !args.decode() && kernels::prefill_runs_as_verify(new_tokens_bound, tuning, invariant);
+  if (args.decode() || verify) {
+    const kernels::DecodePlan plan = plan_decode(shape, args, device, tuning, invariant,
+                                                 verify ? static_cast<int>(new_tokens_bound) : 0);
+    return plan.error.empty() ? (verify ? "verify/" : "decode/") + kernels::describe_plan(plan)
+                              : plan.error;
+  }
+  const kernels::PrefillPlan plan = plan_prefill(shape, args, device, tuning, invariant);
+  return plan.error.empty() ? "prefill/" + kernels::describe_plan(plan, shape.fp8) : plan.error;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(astr, CUDA, m) { m.impl("cuda_paged_attention", &cuda_paged_attention); }
+TORCH_LIBRARY_IMPL(astr, CUDA, m) {
+  m.impl("cuda_paged_attention", &cuda_paged_attention);
+  m.impl("cuda_paged_plan", &cuda_paged_plan);
+}
 
 }  // namespace astr::backends

@@ -72,8 +72,9 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
   check_argument(a.name, #name, device);
   ASTR_ATTENTION_ARGS(ASTR_CHECK_ARGUMENT)
 #undef ASTR_CHECK_ARGUMENT
-  // The variants' arguments and the FP8 scales: the op's own rules.
-  validate_variant_args(a);
+  // The variants' arguments and the FP8 scales: the op's own rules; a variant the kernels lack
+  // (ASTR_VARIANTS' cuda column) raises.
+  validate_variant_args(a, dispatch::Backend::kCuda);
   PagedCallShape shape;
   shape.num_tokens = q.size(0);
   shape.num_q_heads = q.size(1);

@@ -44,6 +44,11 @@ kernels::PagedAttentionParams paged_attention_params(const AttentionArgs& a,
     p.mask_stride_token = a.attn_mask->stride(0);
     p.mask_kv_len = clamp_to_int(a.attn_mask->size(1));
   }
+  if (a.tree_mask) {
+    p.tree_mask = a.tree_mask->data_ptr<bool>();
+    p.tree_mask_stride_token = a.tree_mask->stride(0);
+    p.tree_mask_width = clamp_to_int(a.tree_mask->size(1));
+  }
   p.window_left = static_cast<int>(a.window_left);
   p.softcap = static_cast<float>(a.softcap_value());
   p.sinks = a.sinks ? a.sinks->data_ptr<float>() : nullptr;

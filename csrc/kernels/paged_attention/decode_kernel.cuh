@@ -4,9 +4,13 @@
 // A block owns one (sequence, kv head, row tile of 16 rows) and the kv tiles of its split: split s
 // of S takes tiles s, s + S, s + 2S, ... of the row's visible range, so the splits stay balanced
 // within a tile at every length (the grid comes from shapes alone) and a block's first tile is
-// known before its seq_len arrives. Its warps each take 16 kv positions of every tile and merge
-// their softmax states through shared memory at the end. Then: one split writes its rows; 2
-// splits as a cluster or a block pair merge in shared memory (each block or group owns half of
+// known before its seq_len arrives; in batch-invariant mode (args.split_tiles > 0) it takes
+// split_tiles consecutive tiles from tile s * split_tiles instead, so that which tiles a split sums
+// depends on the sequence alone (plan.h). A verify (args.query_start_loc set: several new tokens
+// per sequence, a prefill-mode call) packs (new token, q head) into the rows, as the prefill does,
+// over max_query_len x group rows per sequence. Its warps each take 16 kv positions of every tile
+// and merge their softmax states through shared memory at the end. Then: one split writes its rows;
+// 2 splits as a cluster or a block pair merge in shared memory (each block or group owns half of
 // the columns); more splits write normalized partial results and their log2-sum-exp to the
 // workspace for decode_merge_kernel.cuh.
 #pragma once
@@ -73,21 +77,35 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   const int row_tile = blockIdx.y;
   const int split = static_cast<int>(blockIdx.z) * kGroups + pair_group;
 
-  const SequenceRows seq = decode_sequence(p, seq_index, p.seq_lens[seq_index]);
+  const bool verify = args.query_start_loc != nullptr;
+  const SequenceRows seq =
+      verify ? prefill_sequence(p, args.query_start_loc, seq_index, args.max_query_len)
+             : decode_sequence(p, seq_index, p.seq_lens[seq_index]);
   const int group = seq.group;
   const int num_rows = seq.num_rows;
   const int row0 = row_tile * kBlockRows;
-  // (Never taken, the grid has ceil(group / 16) row tiles: a cluster's blocks, and a block pair's
-  // groups, must all reach their barriers.)
+  // A decode's grid has ceil(group / 16) row tiles: never taken. A verify's covers max_query_len
+  // tokens: the sequence's row tiles past its own tokens have nothing to do. (A cluster's blocks
+  // and a block pair's groups share their row tile: all of them return, or none.)
   if (row0 >= num_rows) return;
 
-  // The row's visible range; split s takes its tiles s, s + S, ... from the window's first tile.
+  // The row's visible range; split s takes its tiles s, s + S, ... from the window's first tile,
+  // or split_tiles consecutive ones from tile s * split_tiles (the last split: the rest).
   const KvRange range = block_kv_range(p, seq, row0, kBlockRows);
   const UnmaskedTiles unmasked = unmasked_tiles(p, seq, range, row0, kBlockRows);
-  const int kv_begin = (range.begin / kTileN + split) * kTileN;
-  const int tile_step = args.num_splits * kTileN;
-  const int num_tiles =
-      range.end > kv_begin ? (range.end - kv_begin + tile_step - 1) / tile_step : 0;
+  const int first_tile = range.begin / kTileN;
+  int kv_begin, tile_step, kv_end = range.end;
+  if (args.split_tiles > 0) {
+    const int64_t begin = ((int64_t)first_tile + (int64_t)split * args.split_tiles) * kTileN;
+    kv_begin = static_cast<int>(min(begin, (int64_t)INT_MAX));
+    tile_step = kTileN;
+    if (split + 1 < args.num_splits)
+      kv_end = static_cast<int>(min((int64_t)kv_end, begin + (int64_t)args.split_tiles * kTileN));
+  } else {
+    kv_begin = (first_tile + split) * kTileN;
+    tile_step = args.num_splits * kTileN;
+  }
+  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + tile_step - 1) / tile_step : 0;
 
   // ---- global -> shared copies -------------------------------------------------------------
   auto load_q = [&]() {
@@ -97,8 +115,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   };
   // K/V tiles (see kv_tile_loader.cuh). Page ids are looked up as far as the block table reaches,
   // so that the first lookups need not wait for seq_lens.
-  const KVTileSource source = kv_tile_source<KV>(p, seq_index, kv_head, kv_begin, range.end,
-                                                 tile_step, block_table_positions(p));
+  const KVTileSource source = kv_tile_source<KV>(p, seq_index, kv_head, kv_begin, kv_end, tile_step,
+                                                 block_table_positions(p));
   // The eight-warp decode block's page-id ring follows the V stages (Traits::kPageIdRing).
   KVTileLoader<Traits, KV> loader(source, k_smem, v_smem, tid,
                                   reinterpret_cast<int32_t*>(v_smem + Traits::kKVSmemElements));
@@ -288,21 +306,23 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     if (owner(i) != rank || row >= num_rows) continue;
     const int c = item_column(i) * 4;
     const float4 acc = item_o[i];
-    const int head = kv_head * group + row;
+    // Row (new token, q head of the group); a decode's one token is q_start = its sequence's.
+    const int token = seq.q_start + row / group;
+    const int head = kv_head * group + row % group;
     if (args.num_splits == 1 || pair_merge) {
       const FinishedRow finished = finish_row(item_m[i], item_l[i], sink_log2(p, head));
       const float inv = finished.inv * scales.v;
-      T* dst = out + seq_index * p.out_stride_token + head * p.out_stride_head + c;
+      T* dst = out + (int64_t)token * p.out_stride_token + head * p.out_stride_head + c;
       uint2 packed;
       packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
       packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
       *reinterpret_cast<uint2*>(dst) = packed;
-      if (c == 0) store_lse(p, seq_index, head, finished.lse_log2);
+      if (c == 0) store_lse(p, token, head, finished.lse_log2);
     } else {
       // The sink joins once, in the merge kernel.
       const FinishedRow finished = finish_row(item_m[i], item_l[i], -INFINITY);
       const float inv = finished.inv * scales.v;
-      const int64_t index = ((int64_t)split * p.num_tokens + seq_index) * p.num_q_heads + head;
+      const int64_t index = ((int64_t)split * p.num_tokens + token) * p.num_q_heads + head;
       *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
       if (c == 0) args.partial_lse[index] = finished.lse_log2;
@@ -326,11 +346,14 @@ LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t strea
   if constexpr (Traits::kFp8) {
     if (args.base.kv_dtype == ScalarType::kFloat8E5M2) kernel = pick(std::true_type{});
   }
+  // Rows per sequence: the group, or a verify's max_query_len new tokens of it.
   const int group = args.base.num_q_heads / args.base.num_kv_heads;
+  const int64_t rows = (int64_t)group * (args.query_start_loc != nullptr ? args.max_query_len : 1);
+  if (rows > INT32_MAX) return {"max_query_len * group size too large"};
   dim3 grid;
   const LaunchStatus prepared =
-      prepare_row_tile_launch(kernel, Traits::kBlockSmemBytes, args.base, group, Traits::kBlockRows,
-                              args.num_splits / Traits::kGroups, &grid);
+      prepare_row_tile_launch(kernel, Traits::kBlockSmemBytes, args.base, static_cast<int>(rows),
+                              Traits::kBlockRows, args.num_splits / Traits::kGroups, &grid);
   if (!prepared.ok()) return prepared;
   if (!kPairs && args.merge_in_cluster) {
     // The num_splits blocks of a (sequence, kv head, row tile) are one cluster (grid z = splits).
@@ -360,7 +383,8 @@ LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t strea
 }
 
 template <int D, typename T, typename KV>
-LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cudaStream_t stream) {
+LaunchStatus launch_paged_decode_form(const PagedKernelArgs& args, DecodeForm form,
+                                      cudaStream_t stream) {
   constexpr const HeadDimForms& forms = *paged_head_dim_forms(D);
   constexpr int kKVBytes = sizeof(KV);
   if constexpr (forms.decode_eight_warps) {
@@ -375,6 +399,16 @@ LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cuda
     return {std::string("decode form ") + decode_form_name(form) +
             " is not compiled for head_dim " + std::to_string(D)};
   return launch_paged_decode<DecodeTraits<D, kKVBytes>, T, KV>(args, stream);
+}
+
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cudaStream_t stream) {
+  const LaunchStatus status = launch_paged_decode_form<D, T, KV>(args, form, stream);
+  if (!status.ok() || args.query_start_loc == nullptr) return status;
+  // A verify's rows past max_query_len, or of a query_start_loc that places no token for sure,
+  // are NaN, as a prefill's (query_rows.cuh). After the merge kernel, which writes every row: a
+  // plain launch, not a dependent one.
+  return launch_unplaced_rows_poison(args, stream, /*dependent=*/false);
 }
 
 }  // namespace astr::kernels

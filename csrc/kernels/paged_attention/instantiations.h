@@ -17,9 +17,11 @@ namespace astr::kernels {
 // Everything a kernel reads, flattened from the params and the plan.
 struct PagedKernelArgs {
   PagedAttentionParams base;
-  const int32_t* query_start_loc;  // prefill: [B + 1]; null in decode (token b = sequence b)
-  int max_query_len;               // prefill: the grid's rows per sequence
+  const int32_t* query_start_loc;  // prefill, verify: [B + 1]; null in decode (token b = seq b)
+  int max_query_len;               // prefill, verify: the grid's new tokens per sequence
   int num_splits;                  // decode: kv tile sets per (sequence, kv head, row tile)
+  int split_tiles;                 // decode: 0, split s takes tiles s, s + S, ...; else this many
+                                   // consecutive tiles from s * split_tiles (DecodePlan)
   bool merge_in_cluster;           // decode: the 2 splits form a cluster and merge in it
   int persistent_blocks;           // persistent decode: the grid
   int* claim_counter;              // persistent decode: items claimed beyond the grid's first

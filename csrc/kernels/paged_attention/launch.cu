@@ -127,13 +127,17 @@ DeviceFacts current_device_facts() {
   return facts;
 }
 
-LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePlan& plan,
+namespace {
+
+// A decode's or a verify's launch (verify: query_start_loc set, params.num_tokens rows).
+LaunchStatus launch_decode_forms(const PagedDecodeParams& params, const DecodePlan& plan,
+                                 const int32_t* query_start_loc, int max_query_len,
                                  cudaStream_t stream) {
   LaunchStatus status = check_common(params);
   if (!status.ok()) return status;
   if (!plan.error.empty()) return {plan.error};
-  if (params.num_tokens != params.num_seqs) return {"decode needs one query token per sequence"};
   if (plan.num_splits < 1 || plan.num_splits > 65535) return {"num_splits out of range"};
+  if (plan.split_tiles < 0) return {"split_tiles must be >= 0"};
   const bool persistent = plan.form == DecodeForm::kPersistent;
   if (persistent && (plan.persistent_blocks < 1 || params.persistent_claim_counter == nullptr))
     return {"decode: the persistent form needs a grid and a claim counter"};
@@ -141,7 +145,10 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePl
     return {"decode with num_splits > 1 needs a workspace"};
   if (params.num_tokens == 0) return {};
   PagedKernelArgs args = kernel_args(params);
+  args.query_start_loc = query_start_loc;
+  args.max_query_len = max_query_len;
   args.num_splits = plan.num_splits;
+  args.split_tiles = plan.split_tiles;
   args.merge_in_cluster = plan.form == DecodeForm::kCluster;
   args.persistent_blocks = plan.persistent_blocks;
   args.claim_counter = params.persistent_claim_counter;
@@ -164,6 +171,23 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePl
     });
   });
   return status;
+}
+
+}  // namespace
+
+LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePlan& plan,
+                                 cudaStream_t stream) {
+  if (params.num_tokens != params.num_seqs) return {"decode needs one query token per sequence"};
+  return launch_decode_forms(params, plan, nullptr, 0, stream);
+}
+
+LaunchStatus launch_paged_verify(const PagedVerifyParams& params, const DecodePlan& plan,
+                                 cudaStream_t stream) {
+  if (params.query_start_loc == nullptr) return {"verify needs query_start_loc"};
+  if (plan.form == DecodeForm::kPersistent)
+    return {"verify: the persistent decode takes one token per sequence"};
+  if (params.num_tokens == 0 || params.num_seqs == 0 || params.max_query_len <= 0) return {};
+  return launch_decode_forms(params, plan, params.query_start_loc, params.max_query_len, stream);
 }
 
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const PrefillPlan& plan,

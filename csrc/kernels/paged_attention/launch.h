@@ -20,5 +20,9 @@ LaunchStatus launch_paged_decode(const PagedDecodeParams& params, const DecodePl
                                  cudaStream_t stream);
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const PrefillPlan& plan,
                                   cudaStream_t stream);
+// A verify: a prefill-mode call run by the decode forms (plan_paged_decode's plan for a shape of
+// query_len = max_query_len); CUDA-graph safe as a decode.
+LaunchStatus launch_paged_verify(const PagedVerifyParams& params, const DecodePlan& plan,
+                                 cudaStream_t stream);
 
 }  // namespace astr::kernels

@@ -20,7 +20,11 @@ namespace astr::kernels {
 // p = seq_lens[b] - q_len(b) + i. It sees kv positions `pos` with
 //   max(0, p - window_left) <= pos   (window_left >= 0; -1: no lower bound),
 //   pos <= p                         (is_causal; otherwise pos < seq_lens[b]),
-//   pos < mask_kv_len and attn_mask[token][pos]   (attn_mask not null).
+//   pos < mask_kv_len and attn_mask[token][pos]   (attn_mask not null),
+//   pos < first_pos or tree_mask[token][pos - first_pos]   (tree_mask not null; first_pos =
+//                                    seq_lens[b] - q_len(b): new token i sees the cached prefix and
+//                                    new token j of its sequence where column j is true; the causal
+//                                    edge pos <= p no longer applies; with no attn_mask).
 // Scores: s = scale * q . k * k_scale[kv head]; with softcap > 0, s = softcap * tanh(s / softcap)
 // (before masking). Softmax over the visible positions plus, with sinks, one extra logit
 // sinks[q head] that has no value. A row that sees no position (and has no sink) is written as
@@ -59,6 +63,11 @@ struct PagedAttentionParams {
   int64_t mask_stride_token;  // elements between attn_mask[t] and attn_mask[t + 1]
   int mask_kv_len;            // K
 
+  // Speculative decoding's verify: which new tokens of its own sequence each new token sees.
+  const bool* tree_mask;           // [T, tree_mask_width] bool or null; last dim contiguous
+  int64_t tree_mask_stride_token;  // elements between tree_mask[t] and tree_mask[t + 1]
+  int tree_mask_width;             // columns, >= max_query_len; j >= width is not visible
+
   // Variants (variant.cuh).
   int window_left;     // >= 0: a row at position p sees p - window_left .. p; -1: no window
   float softcap;       // > 0: scores become softcap * tanh(s / softcap); 0: off
@@ -91,6 +100,14 @@ struct PagedPrefillParams : PagedAttentionParams {
 struct PagedDecodeParams : PagedAttentionParams {
   int* persistent_claim_counter;  // persistent decode: one int, zeroed by the launch
   float* workspace;               // plan.workspace_floats floats, or null when the plan needs none
+};
+
+// Verify: a prefill-mode call of a few new tokens per sequence (speculative decoding's drafts)
+// run by the decode forms, whose rows pack (new token, q head) as the prefill's do, so that one
+// block's K/V tiles serve several drafts (plan.h: prefill_runs_as_verify).
+struct PagedVerifyParams : PagedDecodeParams {
+  const int32_t* query_start_loc;  // [B + 1] int32 prefix sums of new-token counts
+  int max_query_len;               // host upper bound of new tokens per sequence (sizes the grid)
 };
 
 }  // namespace astr::kernels

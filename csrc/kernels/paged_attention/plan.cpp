@@ -68,8 +68,8 @@ bool cluster_runs(const DeviceFacts& device) { return device.arch >= 90; }
 
 size_t split_workspace_floats(const DecodeShape& shape, int num_splits) {
   if (num_splits <= 1) return 0;
-  return static_cast<size_t>(num_splits) * shape.num_seqs * shape.num_q_heads *
-         (shape.head_dim + 1);
+  const int64_t rows = shape.num_tokens > 0 ? shape.num_tokens : shape.num_seqs;
+  return static_cast<size_t>(num_splits) * rows * shape.num_q_heads * (shape.head_dim + 1);
 }
 
 bool parse_int(std::string_view text, int low, int high, int* value) {
@@ -85,6 +85,19 @@ bool parse_int(std::string_view text, int low, int high, int* value) {
 }
 
 }  // namespace
+
+std::string describe_plan(const DecodePlan& plan) {
+  std::string form =
+      std::string(decode_form_name(plan.form)) + " x" + std::to_string(plan.num_splits);
+  if (plan.split_tiles > 0) form += " of " + std::to_string(plan.split_tiles) + " tiles";
+  return form;
+}
+
+std::string describe_plan(const PrefillPlan& plan, bool fp8_cache) {
+  std::string form = prefill_kernel_name(plan.kernel);
+  if (fp8_cache) form += plan.dequantize_fp8_first ? " on dequantized pages" : " reading FP8";
+  return form;
+}
 
 const char* decode_form_name(DecodeForm form) {
   switch (form) {
@@ -126,6 +139,18 @@ const char* fp8_prefill_name(Fp8Prefill mode) {
       return "in_kernel";
     case Fp8Prefill::kDequantizeFirst:
       return "dequantize_first";
+  }
+  return "?";
+}
+
+const char* verify_form_name(VerifyForm form) {
+  switch (form) {
+    case VerifyForm::kAuto:
+      return "auto";
+    case VerifyForm::kAlways:
+      return "always";
+    case VerifyForm::kNever:
+      return "never";
   }
   return "?";
 }
@@ -197,6 +222,16 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
           ok = true;
         }
       }
+    } else if (key == "verify_form") {
+      ok = false;
+      for (VerifyForm form : {VerifyForm::kAuto, VerifyForm::kAlways, VerifyForm::kNever}) {
+        if (value == verify_form_name(form)) {
+          parsed.verify_form = form;
+          ok = true;
+        }
+      }
+    } else if (key == "invariant_split_tiles") {
+      ok = parse_int(value, 1, 65535, &parsed.invariant_split_tiles);
     } else if (key == "prefill_l2_panel") {
       if (value == "auto") {
         parsed.prefill_l2_panel = -1;
@@ -214,17 +249,19 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
              "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
              "prefill_kernel=auto|warp_specialized|wgmma|mma_sync, "
              "fp8_prefill=auto|in_kernel|dequantize_first, prefill_loads=auto|tma|cp_async, "
-             "prefill_l2_panel=auto|all|N)";
+             "prefill_l2_panel=auto|all|N, verify_form=auto|always|never, "
+             "invariant_split_tiles=1..65535)";
     }
   }
   *tuning = parsed;
   return "";
 }
 
-int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads) {
+int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads, int query_len) {
   if (num_seqs <= 0 || num_kv_heads <= 0) return 0;
-  const int group = std::max(1, num_q_heads / num_kv_heads);
-  return static_cast<int64_t>(num_seqs) * num_kv_heads * ((group + 15) / 16);
+  const int64_t rows =
+      static_cast<int64_t>(std::max(1, num_q_heads / num_kv_heads)) * std::max(1, query_len);
+  return static_cast<int64_t>(num_seqs) * num_kv_heads * ((rows + 15) / 16);
 }
 
 int64_t decode_kv_positions(const DecodeShape& shape) {
@@ -251,14 +288,25 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
     return plan;
   }
   const DecodeFootprint footprint = decode_footprint(shape.head_dim, shape.kv_bytes);
-  const int64_t items = decode_items(shape.num_seqs, shape.num_q_heads, shape.num_kv_heads);
+  const int64_t items = decode_items(shape.num_seqs, shape.num_q_heads, shape.num_kv_heads,
+                                     std::max(1, shape.query_len));
   const int64_t kv_positions = decode_kv_positions(shape);
   const int num_sms = std::max(1, device.num_sms);
+  const int tile_n = footprint.tile_positions;
+  const int64_t tiles = (kv_positions + tile_n - 1) / tile_n;
+
+  // Batch-invariant mode: the split form, splits of a fixed number of consecutive tiles.
+  if (shape.batch_invariant) {
+    plan.form = DecodeForm::kSplit;
+    plan.split_tiles =
+        tuning.invariant_split_tiles > 0 ? tuning.invariant_split_tiles : kInvariantSplitTiles;
+    plan.num_splits = invariant_decode_splits(tiles, plan.split_tiles);
+    plan.workspace_floats = split_workspace_floats(shape, plan.num_splits);
+    return plan;
+  }
 
   // The split rule (one wave of resident 4-warp blocks); a forced count replaces it. The tile
   // size is the same at every head dim (twice as long with an FP8 cache).
-  const int tile_n = footprint.tile_positions;
-  const int64_t tiles = (kv_positions + tile_n - 1) / tile_n;
   const int64_t slots = static_cast<int64_t>(num_sms) * std::max(1, footprint.blocks_per_sm);
   const bool forced_splits = tuning.decode_splits > 0;
   const int splits =
@@ -269,7 +317,8 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
       forms.decode_eight_warps && fits_block(footprint.eight_warp_block_smem, device);
   const int persistent_grid = static_cast<int>(
       std::min<int64_t>(items, tuning.persistent_blocks > 0 ? tuning.persistent_blocks : num_sms));
-  const bool persistent_runs = forms.decode_persistent &&
+  // The persistent decode takes one token per sequence, token b of sequence b (not a verify).
+  const bool persistent_runs = forms.decode_persistent && shape.query_len == 0 &&
                                fits_block(footprint.persistent_block_smem, device) &&
                                persistent_grid > 0 && items <= INT32_MAX / 2;
 
@@ -339,7 +388,7 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 // (decisions.md, "Prefill: which kernel runs at each head dim").
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes,
-                               const PrefillKvFootprint& kv) {
+                               const PrefillKvFootprint& kv, bool batch_invariant) {
   PrefillPlan plan;
   const HeadDimForms* forms = paged_head_dim_forms(head_dim);
   if (forms == nullptr) {
@@ -363,7 +412,8 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
     plan.kernel = PrefillKernel::kMmaSync;
   }
   if (fp8_scratch_bytes.has_value()) {
-    bool first = prefill_dequantizes_fp8_first(*fp8_scratch_bytes);
+    // Batch-invariant mode: the bytes in the kernel, whatever the batch's scratch would take.
+    bool first = !batch_invariant && prefill_dequantizes_fp8_first(*fp8_scratch_bytes);
     if (tuning.fp8_prefill != Fp8Prefill::kAuto)
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
     // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one), the
@@ -384,6 +434,21 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
   // A panel of all pairs or more is the order without panels (the kernel reads it so too).
   plan.panel_pairs = kv.pairs > 0 && panel >= kv.pairs ? 0 : static_cast<int>(panel);
   return plan;
+}
+
+bool prefill_runs_as_verify(int64_t max_query_len, const KernelTuning& tuning,
+                            bool batch_invariant) {
+  // Batch-invariant mode: max_query_len is the batch's, so it may not choose the form.
+  if (batch_invariant) return false;
+  switch (tuning.verify_form) {
+    case VerifyForm::kNever:
+      return false;
+    case VerifyForm::kAlways:
+      return max_query_len >= 1;
+    case VerifyForm::kAuto:
+      break;
+  }
+  return verify_fits(max_query_len);
 }
 
 }  // namespace astr::kernels

@@ -9,6 +9,13 @@
 //
 // How many splits: shapes only, never seq_lens' values: one launch configuration (and one captured
 // CUDA graph) serves every length up to the block table's width.
+//
+// A prefill-mode call of at most kVerifyMaxQueryLen new tokens per sequence (speculative
+// decoding's verify) runs as a verify: the decode forms over rows that pack (new token, q head),
+// so that the K/V tiles a block reads serve every draft of a row tile (prefill_runs_as_verify).
+//
+// Batch-invariant mode (BatchInvariance below) trades the batch-dependent choices for rules that
+// read the sequence's own shape only.
 #pragma once
 
 #include <algorithm>
@@ -38,6 +45,8 @@ enum class PrefillKernel : int { kAuto, kWarpSpecialized, kWgmma, kMmaSync };
 enum class Fp8Prefill : int { kAuto, kInKernel, kDequantizeFirst };
 // How the warp-specialised prefill copies K/V tiles (PrefillPlan::pool_boxes).
 enum class PrefillLoads : int { kAuto, kTma, kCpAsync };
+// Whether a prefill-mode call of few new tokens per sequence runs as a verify (the decode forms).
+enum class VerifyForm : int { kAuto, kAlways, kNever };
 
 // Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
 // ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
@@ -56,6 +65,11 @@ enum class PrefillLoads : int { kAuto, kTma, kCpAsync };
 //                                    pool allows them (auto, tma), or the cp.async gather always
 //   prefill_l2_panel=auto|all|N      the prefill's block order: (sequence, kv head) pairs in
 //                                    panels of N (PrefillPlan::panel_pairs), or of all pairs
+//   verify_form=auto|always|never    a prefill-mode call as a verify (the decode forms): up to
+//                                    kVerifyMaxQueryLen new tokens per sequence (auto), at any
+//                                    max_query_len (always), or never
+//   invariant_split_tiles=N          batch-invariant mode's decode splits of N consecutive kv
+//                                    tiles (1..65535) instead of kInvariantSplitTiles
 struct KernelTuning {
   DecodeForm decode_form = DecodeForm::kAuto;
   int decode_splits = 0;      // 0: the rule's
@@ -64,12 +78,14 @@ struct KernelTuning {
   Fp8Prefill fp8_prefill = Fp8Prefill::kAuto;
   PrefillLoads prefill_loads = PrefillLoads::kAuto;
   int prefill_l2_panel = -1;  // -1: the rule's (prefill_panel_pairs); 0: all pairs; N: N pairs
+  VerifyForm verify_form = VerifyForm::kAuto;
+  int invariant_split_tiles = 0;  // 0: kInvariantSplitTiles
 };
 // "" on success; otherwise what is wrong (and *tuning is left unchanged).
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
 
 // The shape of a decode call (shapes and host ints only, never seq_lens' values: one plan and one
-// captured CUDA graph serve every length up to the block table's width).
+// captured CUDA graph serve every length up to the block table's width), or of a verify.
 struct DecodeShape {
   int num_seqs = 0;
   int num_q_heads = 0;
@@ -78,11 +94,18 @@ struct DecodeShape {
   int64_t block_table_positions = 0;  // block table width * page size
   int window_left = -1;               // the call's window (-1: none): bounds the kv range read
   int kv_bytes = 2;                   // the cache's element size: 2, or 1 for FP8
+  int query_len = 0;                  // a verify's max_query_len (rows: query_len x group); 0 for
+                                      // a decode (one token per sequence, token b = sequence b)
+  int64_t num_tokens = 0;             // the output's rows T (0: num_seqs, a decode's)
+  bool batch_invariant = false;       // batch-invariant mode (BatchInvariance below)
 };
 
 struct DecodePlan {
   DecodeForm form = DecodeForm::kSplit;  // never kAuto
   int num_splits = 1;
+  // 0: split s takes the kv tiles s, s + S, s + 2S, ...; > 0 (batch-invariant mode): split_tiles
+  // consecutive tiles from tile s * split_tiles, the last split the rest.
+  int split_tiles = 0;
   int persistent_blocks = 0;    // kPersistent: the grid
   size_t workspace_floats = 0;  // kSplit with num_splits > 1: partial outputs and their lse
   std::string error;            // set when no form can run the call here
@@ -121,8 +144,9 @@ constexpr bool prefill_reads_fp8(PrefillKernel kernel, int head_dim) {
          (kernel == PrefillKernel::kWgmma && head_dim % 128 == 0);
 }
 
-// Decode items: (sequence, kv head, row tile of 16 query rows) triples.
-int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads);
+// Decode items: (sequence, kv head, row tile of 16 query rows) triples; a verify's rows are
+// query_len x group per (sequence, kv head).
+int64_t decode_items(int num_seqs, int num_q_heads, int num_kv_heads, int query_len = 1);
 // The kv positions a decode row may read: the block table's, or the window's (rounded out to
 // whole tiles).
 int64_t decode_kv_positions(const DecodeShape& shape);
@@ -131,15 +155,27 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
                              const KernelTuning& tuning);
 // fp8_scratch_bytes: for an FP8 cache, the bytes the dequantized pages would take (K and V,
 // num_seqs x block-table width pages of q's dtype; 0 for an empty table); none for a 16-bit cache.
-// kv: for the block order (panel_pairs); none, one panel of every pair.
+// kv: for the block order (panel_pairs); none, one panel of every pair. batch_invariant: the mode
+// (BatchInvariance below).
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes = std::nullopt,
-                               const PrefillKvFootprint& kv = {});
+                               const PrefillKvFootprint& kv = {}, bool batch_invariant = false);
+
+// Whether a prefill-mode call runs as a verify (plan_paged_decode then plans it, with the call's
+// max_query_len as DecodeShape::query_len) rather than on a prefill kernel.
+bool prefill_runs_as_verify(int64_t max_query_len, const KernelTuning& tuning,
+                            bool batch_invariant);
 
 const char* decode_form_name(DecodeForm form);
 const char* prefill_kernel_name(PrefillKernel kernel);
+// A plan as csrc/README.md's kernel table writes it: "split x13"; "warp_specialized", and for an
+// FP8 cache "... on dequantized pages" or "... reading FP8". Also what the "astrai" logger and the
+// profiler ranges name (astr::cuda_paged_plan).
+std::string describe_plan(const DecodePlan& plan);
+std::string describe_plan(const PrefillPlan& plan, bool fp8_cache);
 const char* fp8_prefill_name(Fp8Prefill mode);
 const char* prefill_loads_name(PrefillLoads loads);
+const char* verify_form_name(VerifyForm form);
 
 // ---- The rules (their measurements: benchmarks/results/decisions.md) ---------------------------
 
@@ -206,6 +242,49 @@ constexpr bool prefill_dequantizes_fp8_first(int64_t fp8_scratch_bytes) {
 constexpr int64_t prefill_panel_pairs(int64_t kv_bytes_per_pair, int64_t l2_cache_bytes) {
   if (kv_bytes_per_pair <= 0 || l2_cache_bytes <= 0) return 0;
   return std::max<int64_t>(l2_cache_bytes / 2 / kv_bytes_per_pair, 1);
+}
+
+// Whether a prefill-mode call of at most max_query_len new tokens per sequence runs as a verify:
+// the decode forms pack its (new token, q head) pairs into 16-row tiles (group x max_query_len
+// rows per kv head: 4 to 16 tiles at GQA 32/8 and 2 to 16 drafts), where the prefill kernels'
+// 64- or 128-row tiles would be mostly empty, and split its kv range over the GPU as a decode's.
+// Up to kVerifyMaxQueryLen new tokens: not yet measured (the tuning's verify_form= compares).
+inline constexpr int kVerifyMaxQueryLen = 16;
+constexpr bool verify_fits(int64_t max_query_len) {
+  return max_query_len >= 1 && max_query_len <= kVerifyMaxQueryLen;
+}
+
+// ---- Batch-invariant mode ----------------------------------------------------------------------
+//
+// In batch-invariant mode (astrai.set_batch_invariant) a sequence's rows must be the same bits
+// whatever the batch around it. A row's result depends on the kernel form that computes it (each
+// adds its partial results in its own order) and on how its kv range is cut into splits; the
+// default rules pick both from the batch (the one-wave split count, pairs, clusters, eight-warp
+// and persistent blocks; the verify form by the batch's max_query_len; an FP8 prefill's scratch
+// by the batch's size). So, in this mode:
+//   - a decode runs the 4-warp split form (it runs at every head dim on every GPU), its splits
+//     kInvariantSplitTiles consecutive kv tiles each (invariant_decode_splits), merged by the merge
+//     kernel in split order: a split past a sequence's length is empty and adds exact zeros, so
+//     the block table's width (the batch's longest sequence) changes nothing;
+//   - a prefill-mode call runs the prefill kernel whatever its max_query_len (never the verify
+//     form); its blocks each take one (sequence, kv head, row tile) and its whole kv range, in
+//     order, so its sums depend on the sequence alone;
+//   - an FP8 prefill reads the bytes in the kernel (prefill_reads_fp8) unless the tuning says
+//     otherwise, whatever the scratch would take.
+// The tuning's decode_form, decode_splits and persistent_blocks are ignored in this mode.
+// Cost: measured in benchmarks/results/decisions.md, "Batch-invariant mode", once a GPU has run it.
+
+// 16 tiles: 1024 positions of a 16-bit cache (64-position tiles), 2048 of an FP8 one. At B = 1 and
+// 32768 positions, 32 splits per kv head: about the one-wave rule's 33 on an H100.
+inline constexpr int kInvariantSplitTiles = 16;
+
+// Splits of split_tiles consecutive tiles covering max_tiles tiles: at least 2, so that every
+// decode takes the merge kernel's arithmetic (a lone split normalises its rows itself, in another
+// order once a sink logit joins), and at most 65535 (the grid's z).
+constexpr int invariant_decode_splits(int64_t max_tiles, int split_tiles) {
+  if (split_tiles <= 0) return 2;
+  const int64_t needed = (std::max<int64_t>(max_tiles, 0) + split_tiles - 1) / split_tiles;
+  return static_cast<int>(std::clamp<int64_t>(needed, 2, 65535));
 }
 
 }  // namespace astr::kernels

@@ -38,6 +38,7 @@ template <typename Traits, typename T, typename KV, Softcap kSoftcap, bool kE5M2
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_prefill_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(!Traits::kDecode && Traits::kGroups == 1, "prefill traits");
+  allow_dependent_launch();  // the unplaced-rows check (query_rows.cuh) runs beside it
   static_assert(sizeof(KV) == Traits::kKVBytes, "traits of this cache");
   constexpr bool kFp8 = Traits::kFp8;
   constexpr int D = Traits::kHeadDim;

@@ -250,6 +250,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
   constexpr int kTileN = Traits::kTileN;
   constexpr int kStages = Traits::kStages;
   constexpr int kBlockRows = Traits::kBlockRows;
+  allow_dependent_launch();  // the unplaced-rows check (query_rows.cuh) runs beside it
   constexpr int kConsumerWarps = Traits::kConsumers * 4;
   constexpr float kNegInf = -INFINITY;
   // Named barriers (0 is __syncthreads'): the producer warpgroup's; each consumer warpgroup's
@@ -387,15 +388,19 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, 1)
     // The scores of tile `tile` (landed in s_acc) -> its weights; alpha: the output's rescale.
     // The two rows' visible ranges, worked out once: in the tile loop the division by the group
     // and the mask rows' 64-bit addresses made the consumers spill (D = 128, 128-wide tiles:
-    // 100 bytes; none with this). The mask row, with a user mask only, is looked up per tile.
+    // 100 bytes; none with this). With mask rows (a user or tree mask) the row is looked up
+    // again per tile.
     const RowVisibility first_row = row_visibility(p, seq, range, thread_row);
     const RowVisibility second_row = row_visibility(p, seq, range, thread_row + 8);
     const int begins[2] = {first_row.begin, second_row.begin};
     const int limits[2] = {first_row.limit, second_row.limit};
     auto seen = [&](int half) {
-      RowVisibility row{begins[half], limits[half], nullptr};
-      if (p.attn_mask != nullptr)
-        row.mask_row = row_visibility(p, seq, range, thread_row + half * 8).mask_row;
+      RowVisibility row{begins[half], limits[half], nullptr, 0};
+      if (rows_read_masks(p)) {
+        const RowVisibility masked = row_visibility(p, seq, range, thread_row + half * 8);
+        row.mask_row = masked.mask_row;
+        row.mask_from = masked.mask_from;
+      }
       return row;
     };
     auto softmax = [&](int tile, float (&alpha)[2]) {

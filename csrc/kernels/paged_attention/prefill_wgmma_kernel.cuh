@@ -107,6 +107,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     paged_prefill_wgmma_kernel(const __grid_constant__ PagedKernelArgs args) {
 #if defined(ASTR_HAS_WGMMA)
   static_assert(sizeof(KV) == Traits::kKVBytes, "traits of this cache");
+  allow_dependent_launch();  // the unplaced-rows check (query_rows.cuh) runs beside it
   constexpr bool kFp8 = Traits::kFp8;
   // The multiplies' operand type: q's, or f16 over an FP8 cache (see top).
   using M = std::conditional_t<kFp8, __half, T>;

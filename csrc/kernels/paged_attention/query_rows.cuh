@@ -175,21 +175,27 @@ __global__ void __launch_bounds__(kThreads) poison_unplaced_rows_kernel(PagedKer
     poison_rows(0, p.num_tokens, threadIdx.x, kThreads);
     return;
   }
-  // Placed: 0 <= starts[b] <= starts[b + 1] <= T. Rows the grid never reaches: no wait needed.
+  // Placed: 0 <= starts[b] <= starts[b + 1] <= T. Rows the grid never reaches: written while the
+  // prefill runs (it allows this launch from its start); then ending only after the prefill, so
+  // that what follows in the stream still follows the prefill.
   for (int b = 0; b < p.num_seqs; ++b) {
     const int64_t begin = static_cast<int64_t>(starts[b]) + args.max_query_len;
     if (begin < starts[b + 1])
       poison_rows(static_cast<int>(begin), starts[b + 1], threadIdx.x, kThreads);
   }
+  wait_for_prerequisite_grid();
 }
 
-// Host: launches poison_unplaced_rows_kernel after a prefill: on sm_90 as the prefill's
-// programmatic dependent (it starts as the prefill's blocks end: no launch gap).
-inline LaunchStatus launch_unplaced_rows_poison(const PagedKernelArgs& args, cudaStream_t stream) {
+// Host: launches poison_unplaced_rows_kernel after a prefill (or a verify): on sm_90 as the
+// prefill's programmatic dependent (it starts as the prefill's blocks end: no launch gap), unless
+// `dependent` is false (the kernel before it writes rows past max_query_len too: the verify's merge
+// kernel).
+inline LaunchStatus launch_unplaced_rows_poison(const PagedKernelArgs& args, cudaStream_t stream,
+                                                bool dependent = true) {
   constexpr int kThreads = 128;
   const cudaError_t error =
       launch_maybe_dependent(poison_unplaced_rows_kernel<kThreads>, dim3(1), dim3(kThreads), 0,
-                             stream, current_device_is_sm90_or_newer(), args);
+                             stream, dependent && current_device_is_sm90_or_newer(), args);
   if (error != cudaSuccess)
     return {std::string("poison_unplaced_rows_kernel: ") + cudaGetErrorString(error)};
   return {};

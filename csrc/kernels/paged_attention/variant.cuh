@@ -86,8 +86,9 @@ __device__ __forceinline__ SequenceRows prefill_sequence(const PagedAttentionPar
 }
 
 // The kv positions [begin, end) that rows [row0, row0 + block_rows) can see, together: from the
-// window's start of the first row's token to the causal edge of the last one, within the sequence
-// and the mask's width.
+// window's start of the first row's token to the causal edge of the last one (under a tree mask,
+// the sequence's end: a new token may see any new token its row names), within the sequence and
+// the mask's width.
 struct KvRange {
   int begin, end;
 };
@@ -96,7 +97,8 @@ __device__ __forceinline__ KvRange block_kv_range(const PagedAttentionParams& p,
   KvRange range{0, s.seq_len};
   const int first_token = row0 / s.group;
   const int last_token = (min(row0 + block_rows, s.num_rows) - 1) / s.group;
-  if (p.is_causal) range.end = min(range.end, s.first_pos + last_token + 1);
+  if (p.is_causal && p.tree_mask == nullptr)
+    range.end = min(range.end, s.first_pos + last_token + 1);
   if (p.attn_mask != nullptr) range.end = min(range.end, p.mask_kv_len);
   if (p.window_left >= 0) range.begin = max(0, s.first_pos + first_token - p.window_left);
   return range;
@@ -105,8 +107,9 @@ __device__ __forceinline__ KvRange block_kv_range(const PagedAttentionParams& p,
 // Which tiles need per-score masking for rows [row0, row0 + block_rows): a tile of kv positions
 // [pos0, pos0 + tile_n) needs none when it lies in [unmasked_begin, unmasked_end), i.e. within the
 // range's end, below the causal edge of the block's first row and from the window's start of its
-// last row on; with a user mask every tile needs it. Worked out once per block (two registers in
-// the loop: the prefill runs at the register cap).
+// last row on; with a user mask every tile needs it, with a tree mask every tile holding a new
+// token of the sequence. Worked out once per block (two registers in the loop: the prefill runs at
+// the register cap).
 struct UnmaskedTiles {
   int begin, end;
   __device__ __forceinline__ bool need_mask(int pos0, int tile_n) const {
@@ -122,15 +125,22 @@ __device__ __forceinline__ UnmaskedTiles unmasked_tiles(const PagedAttentionPara
     const int last_token = (min(row0 + block_rows, s.num_rows) - 1) / s.group;
     tiles.begin = s.first_pos + last_token - p.window_left;
   }
+  if (p.tree_mask != nullptr) tiles.end = min(tiles.end, s.first_pos);
   if (p.attn_mask != nullptr) tiles.end = INT_MIN;  // every tile
   return tiles;
 }
 
 // What one query row sees of a tile: positions in [begin, limit) where its mask row, if any, is
-// true.
+// true from mask_from on (mask_row[pos], pos >= mask_from). The user's mask row covers every
+// position (mask_from 0); a tree mask's row covers the sequence's new tokens (mask_from =
+// first_pos, mask_row offset back by it, and limit stops at its last column), the cached prefix
+// before them staying visible. (Offset, so that the loop over a tile's scores subtracts nothing:
+// the warp-specialised prefill spilled with the subtraction. Only positions >= mask_from are read
+// through it, all inside the row.)
 struct RowVisibility {
   int begin, limit;
   const bool* mask_row;  // null without a mask
+  int mask_from;
 };
 __device__ __forceinline__ RowVisibility row_visibility(const PagedAttentionParams& p,
                                                         const SequenceRows& s, const KvRange& range,
@@ -138,16 +148,30 @@ __device__ __forceinline__ RowVisibility row_visibility(const PagedAttentionPara
   const int token = min(row, max(s.num_rows - 1, 0)) / s.group;  // padding rows: clamp, never read
   const int position = s.first_pos + token;
   RowVisibility v;
-  v.limit = p.is_causal ? min(range.end, position + 1) : range.end;
+  v.limit = p.is_causal && p.tree_mask == nullptr ? min(range.end, position + 1) : range.end;
   v.begin = p.window_left >= 0 ? max(0, position - p.window_left) : 0;
-  v.mask_row = p.attn_mask != nullptr
-                   ? p.attn_mask + (int64_t)(s.q_start + token) * p.mask_stride_token
-                   : nullptr;
+  v.mask_row = nullptr;
+  v.mask_from = 0;
+  if (p.attn_mask != nullptr) {
+    v.mask_row = p.attn_mask + (int64_t)(s.q_start + token) * p.mask_stride_token;
+  } else if (p.tree_mask != nullptr) {
+    v.mask_row =
+        p.tree_mask + ((int64_t)(s.q_start + token) * p.tree_mask_stride_token - s.first_pos);
+    v.mask_from = s.first_pos;
+    // Columns past the mask's width are never read (a sequence with more new tokens than
+    // max_query_len is poisoned, and its rows still run).
+    if (v.limit - s.first_pos > p.tree_mask_width) v.limit = s.first_pos + p.tree_mask_width;
+  }
   return v;
+}
+// Whether rows read mask rows (row_visibility's mask_row): a kernel that keeps its rows' ranges
+// across tiles looks a row up again only then.
+__device__ __forceinline__ bool rows_read_masks(const PagedAttentionParams& p) {
+  return p.attn_mask != nullptr || p.tree_mask != nullptr;
 }
 __device__ __forceinline__ bool visible(const RowVisibility& v, int pos) {
   bool keep = pos >= v.begin && pos < v.limit;
-  if (v.mask_row != nullptr && keep) keep = v.mask_row[pos];
+  if (v.mask_row != nullptr && keep && pos >= v.mask_from) keep = v.mask_row[pos];
   return keep;
 }
 

@@ -1,0 +1,124 @@
+"""Writes the resolver's preference table (csrc/dispatch/preference_table.inc) from benchmark runs
+of record that timed astrai's cuda kernels (`cuda_ps16`) and the flash backend (`astrai_flash`)
+on the same calls, in one process:
+
+    make tune        # = python3 benchmarks/tune_preferences.py benchmarks/results/<runs>.json
+
+A call class is (GPU arch, call kind, head dim, GQA or not, causal or not, flash's major version)
+and a range of max_query_len given in powers of two. Each measured row gives the faster backend of
+its class at its length: flash where it ran more than 2% faster, cuda otherwise (within 2% is
+level, and the default order, cuda first, stands). A measured length covers every length up to
+the next one measured in its class; lengths below the first are left to the default order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "csrc", "dispatch", "preference_table.inc")
+LEVEL = 1.02  # within 2% counts as level: the default order stands
+PEERS = {"cuda_ps16": "kCuda", "astrai_flash": "kFlash"}
+# The ragged row of bench_attention.py: new chunks of 256 .. 2048 tokens over cached prefixes.
+RAGGED_MAX_QUERY_LEN = 2048
+
+
+def arch_of(env: dict) -> int:
+    capability = env.get("compute_capability")
+    if isinstance(capability, (list, tuple)):
+        return capability[0] * 10 + capability[1]
+    name = env.get("gpu", "")
+    if "H100" in name or "H200" in name:
+        return 90
+    raise SystemExit(f"tune_preferences: cannot tell the GPU arch of {name!r}")
+
+
+def flash_version_of(run: dict) -> int:
+    """The FlashAttention major version the run's astrai_flash rows used."""
+    probe = run.get("env", {}).get("flash_probe", "")
+    for version in (4, 3, 2):
+        if f"FlashAttention-{version}" in probe:
+            return version
+    raise SystemExit(f"tune_preferences: the run names no FlashAttention version ({probe!r})")
+
+
+def classes(runs: list, sources: dict) -> dict:
+    """{(arch, causal, D, gqa, flash_version): {log2 length: {peer: (TFLOPs, row text)}}}; each
+    class's runs (GPU, file) into ``sources``."""
+    found = defaultdict(lambda: defaultdict(dict))
+    for path, run, version in runs:
+        arch = arch_of(run["env"])
+        gpu = run["env"].get("gpu", "?")
+        for row in run["rows"]:
+            if row.get("kind") != "prefill" or row.get("peer") not in PEERS:
+                continue
+            if not row.get("TFLOPs") or row.get("error"):
+                continue
+            ragged = row["S"] == "ragged"
+            length = RAGGED_MAX_QUERY_LEN if ragged else int(row["S"])
+            causal = True if ragged else bool(row["causal"])
+            key = (arch, causal, row["D"], row["Hq"] != row["Hkv"], version)
+            text = f"B={row['B']} S={row['S']} Hq={row['Hq']} Hkv={row['Hkv']}"
+            sources.setdefault(key, set()).add(f"{gpu}, {os.path.basename(path)}")
+            bucket = int(math.log2(length))
+            previous = found[key][bucket].get(row["peer"])
+            # Two rows of one class and length (GQA rows of B=1 and B=2, say): the flash one
+            # must win both to count, so keep each peer's weakest showing against the other.
+            if previous is None or (row["peer"] == "astrai_flash") == (row["TFLOPs"] < previous[0]):
+                found[key][bucket][row["peer"]] = (row["TFLOPs"], text)
+    return found
+
+
+def entries(found: dict, sources: dict) -> list:
+    rows = []
+    for key, buckets in sorted(found.items()):
+        arch, causal, head_dim, gqa, version = key
+        source = "; ".join(sorted(sources[key]))
+        measured = sorted(b for b, peers in buckets.items() if len(peers) == 2)
+        for index, bucket in enumerate(measured):
+            last = measured[index + 1] - 1 if index + 1 < len(measured) else 31
+            cuda, cuda_row = buckets[bucket]["cuda_ps16"]
+            flash, flash_row = buckets[bucket]["astrai_flash"]
+            preferred = "kFlash" if flash > cuda * LEVEL else "kCuda"
+            evidence = (
+                f"{source}: flash {flash:.0f} TFLOP/s ({flash_row}) vs cuda {cuda:.0f} ({cuda_row})"
+            )
+            rows.append((arch, causal, head_dim, gqa, version, bucket, last, preferred, evidence))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="bench_attention.py JSON results of record")
+    parser.add_argument("--out", default=OUT)
+    args = parser.parse_args()
+    runs = []
+    for path in args.runs:
+        with open(path) as f:
+            run = json.load(f)
+        runs.append((path, run, flash_version_of(run)))
+    sources = {}
+    rows = entries(classes(runs, sources), sources)
+    lines = [
+        "// Generated by benchmarks/tune_preferences.py from "
+        + ", ".join(os.path.relpath(p, ROOT) for p in args.runs)
+        + ": do not edit.",
+        "// {arch, mode, causal, head_dim, gqa, flash_version, min_log2_len, max_log2_len, "
+        "preferred, evidence}",
+    ]
+    for arch, causal, head_dim, gqa, version, low, high, preferred, evidence in rows:
+        lines.append(
+            f"{{{arch}, Mode::kPrefill, {str(causal).lower()}, {head_dim}, {str(gqa).lower()}, "
+            f'{version}, {low}, {high}, Backend::{preferred}, "{evidence}"}},'
+        )
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {len(rows)} entries to {os.path.relpath(args.out, ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
