@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <limits>
+#include <optional>
 
 #include "backends/mla.h"
 
@@ -53,17 +54,17 @@ AttentionResult torch_native_mla(const MlaAttentionArgs& a) {
   const at::Tensor kv_pos = at::arange(capacity, long_opts);
   const at::Tensor owned =
       (kv_pos.view({1, capacity}) < seq_len.view({batch, 1})).view({batch, capacity, 1});
-  auto gather = [&](const at::Tensor& pool) {
+  auto gather = [&](const at::Tensor& pool, const std::optional<at::Tensor>& fp8_scale) {
     const bool bytes = pool.element_size() == 1;  // FP8: gathered as bytes
     at::Tensor rows = bytes ? pool.view(at::kByte).index_select(0, pages).view(pool.scalar_type())
                             : pool.index_select(0, pages);
     rows = rows.view({batch, capacity, pool.size(2)});
-    if (bytes) rows = rows.to(at::kFloat);  // stored.float() * scale
+    if (bytes) rows = rows.to(at::kFloat) * *fp8_scale;  // stored.float() * scale, in float32
     rows = rows.to(compute);
     return at::where(owned, rows, at::zeros({}, rows.options()));
   };
-  const at::Tensor latents = gather(a.ckv_cache);  // [B, capacity, Dc]
-  const at::Tensor ropes = gather(a.krope_cache);  // [B, capacity, Dr]
+  const at::Tensor latents = gather(a.ckv_cache, a.ckv_scale);   // [B, capacity, Dc]
+  const at::Tensor ropes = gather(a.krope_cache, std::nullopt);  // [B, capacity, Dr]
 
   // Queries padded per sequence: [B, max_q, H, D].
   auto padded = [&](const at::Tensor& q) {
