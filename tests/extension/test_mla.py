@@ -175,3 +175,33 @@ def test_the_scale_multiplies_every_score():
     check(out, ref, torch.float32)
     assert not torch.allclose(out.double(), batch.reference(), atol=1e-3)  # scale 1/sqrt(576)
     assert math.isclose(batch.scale, 576**-0.5)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_batch_invariant_mode_gives_a_sequence_the_same_bits_in_any_batch(decode):
+    """set_batch_invariant(True): a sequence's rows are the same bits alone and beside longer
+    sequences (a wider block table, more query rows padding it). torch_native's batched matmuls
+    gave this already on the CPU where it was written; the test keeps the promise."""
+    from astrai import batch_invariant, set_batch_invariant
+
+    seq_lens = (37, 300, 9, 100, 700, 50)
+    q_lens = (1,) * 6 if decode else (3, 40, 2, 17, 64, 1)
+    batch = LatentBatch(
+        seq_lens, q_lens, heads=16, page_size=16, dtype=torch.float32, decode=decode, seed=5
+    )
+    first = slice(0, q_lens[0])
+    alone = LatentBatch((37,), q_lens[:1], heads=16, page_size=16, dtype=torch.float32)
+    alone.decode = decode
+    # The same sequence: its queries, and its pages of the big batch's pool.
+    alone.q_nope, alone.q_rope = batch.q_nope[first], batch.q_rope[first]
+    alone.ckv_cache, alone.krope_cache = batch.ckv_cache, batch.krope_cache
+    alone.block_table = batch.block_table[:1, :3].contiguous()
+    before = batch_invariant()
+    set_batch_invariant(True)
+    try:
+        together = run(batch)[first]
+        by_itself = run(alone)
+    finally:
+        set_batch_invariant(before)
+    assert torch.equal(together, by_itself)
+    check(by_itself, alone.reference(), torch.float32)
