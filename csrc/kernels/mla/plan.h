@@ -1,5 +1,5 @@
 // How a latent-attention call runs on the cuda kernel (mla_attention_kernel.cu): its grid, block
-// and shared memory. Host code, torch- and CUDA-free (GoogleTest: tests/cpp/mla_plan_test.cpp).
+// and shared memory. Host code, torch- and CUDA-free (GoogleTest: tests/cpp/mla_test.cpp).
 #pragma once
 
 #include <cstdint>
