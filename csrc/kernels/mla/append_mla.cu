@@ -86,7 +86,7 @@ __global__ void append_mla_fp8_kernel(const __grid_constant__ AppendMlaParams p,
   const float scale = *p.ckv_scale;
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src));
   const T* x = reinterpret_cast<const T*>(&raw);
-  uint8_t bytes[kPerChunk];
+  alignas(8) uint8_t bytes[kPerChunk];  // stored as one 8- or 4-byte word
 #pragma unroll
   for (int i = 0; i < kPerChunk; ++i)
     bytes[i] = __nv_cvt_float_to_fp8(__fdiv_rn(to_float(x[i]), scale), __NV_SATFINITE, __NV_E4M3);
