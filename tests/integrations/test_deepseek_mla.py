@@ -116,3 +116,13 @@ def test_greedy_tokens_on_the_cuda_kernel(name):
     ours = deepseek_mla.generate(model, PROMPTS, 6, backend="cuda")
     reference = deepseek_mla.generate(model, PROMPTS, 6, backend="torch_native")
     assert sum(a == b for a, b in zip(ours, reference)) >= 2
+
+
+def test_the_demo_command_line_serves_the_latent_cache(capsys):
+    """python -m astrai.demo --mla: the bytes-per-token line and the agreement line."""
+    from astrai import demo
+
+    assert demo.main(["--mla", "--device", "cpu", "--prompts", "2", "--new-tokens", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "cache bytes per token (DeepSeek-V3 671B, bf16): latent 70,272" in printed
+    assert "2/2 prompts identical" in printed
