@@ -84,6 +84,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         help="a near-tie: the float32 gap between two tokens is under this many times the "
         "model's own logit error at that step",
     )
+    parser.add_argument(
+        "--mla", action="store_true", help="serve a tiny DeepSeek-V3 over astrai's latent cache"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats: at least 1")
@@ -98,6 +101,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         import transformers
     except ImportError:
         sys.exit(f"astrai demo: needs transformers (pip install '{TESTED_TRANSFORMERS}')")
+    if args.mla:  # astrai/integrations/deepseek_mla.py: latent cache, bytes per token, agreement
+        from astrai.integrations import deepseek_mla
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return deepseek_mla.demo(device, args.prompts or 4, args.new_tokens or 8, args.seed)
     return Demo(args, torch, transformers).run()
 
 

@@ -12,7 +12,8 @@ lengths past the block table, negative lengths, a decreasing query_start_loc) th
 must survive without reading outside their tensors. The same with FP8 pools (e4m3, per-head
 scales: the prefill kernels reading the bytes, and the dequantizing pass before the
 warp-specialised one), then a seeded fuzz: random page ids,
-lengths and query_start_loc values, 16-bit and FP8 pools, decode and prefill."""
+lengths and query_start_loc values, 16-bit and FP8 pools, decode and prefill. Last, latent
+attention (mla_attention and append_mla) with good and bad metadata."""
 
 import torch
 
@@ -141,6 +142,7 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"head_dim {head_dim} page_size {page_size}: ok")
     fuzz_bad_metadata(device, dtype)
+    latent_attention_smoke(device, dtype)
 
 
 def bad_table(table, pool):
@@ -196,6 +198,55 @@ def fuzz_bad_metadata(device, dtype, cases=40):
                 refused += 1
         torch.cuda.synchronize()
     print(f"fuzz: {cases} random metadata cases: ok ({refused} calls refused on the host)")
+
+
+def latent_attention_smoke(device, dtype):
+    """astr::mla_attention's cuda kernel and astr::append_mla's (issue 50): bf16 and e4m3
+    latents, pages of 1, 64 and 256, 24 heads (a partial group of 16), decode and a 2-token
+    prefill over ragged lengths ending mid-page, then bad page ids, lengths and query_start_loc,
+    which the kernels must survive without reading outside their tensors."""
+    heads, latent, rope = 24, 512, 64
+    for page_size in (1, 64, 256):
+        pages, width = (48, 12) if page_size > 1 else (3000, 700)
+        ckv = torch.randn(pages, page_size, latent, device=device, dtype=dtype)
+        krope = torch.randn(pages, page_size, rope, device=device, dtype=dtype)
+        table = torch.randperm(pages, device=device)[: 3 * width].view(3, width).int()
+        seq_lens = torch.tensor([2, 130, 611], dtype=torch.int32, device=device)
+        slots = (table[:, 0] * page_size).int()
+        slots[1] = -1
+        new_ckv = torch.randn(3, latent, device=device, dtype=dtype)
+        new_krope = torch.randn(3, rope, device=device, dtype=dtype)
+        torch.ops.astr.append_mla(new_ckv, new_krope, ckv, krope, slots)
+        scale = torch.tensor([0.05], device=device)
+        fp8 = (ckv.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        torch.ops.astr.append_mla(new_ckv, new_krope, fp8, krope, slots, scale)
+        for tokens in (1, 2):
+            call = dict(
+                q_nope=torch.randn(3 * tokens, heads, latent, device=device, dtype=dtype),
+                q_rope=torch.randn(3 * tokens, heads, rope, device=device, dtype=dtype),
+                krope_cache=krope,
+                block_table=table,
+                seq_lens=seq_lens,
+                query_start_loc=torch.arange(0, 3 * tokens + 1, tokens, device=device).int(),
+                max_query_len=tokens,
+                mode="decode" if tokens == 1 else "prefill",
+                scale=0.04,
+                return_lse=True,
+            )
+            bad_calls = [dict(block_table=bad_table(table, pages))]
+            for bad in ([1, -7, 3], [1, 130, width * page_size + 100]):
+                bad_calls.append(dict(seq_lens=torch.tensor(bad, dtype=torch.int32, device=device)))
+            if tokens == 2:
+                for bad in ([0, 4, 1, 6], [0, 2, 4, 40], [0, -3, 4, 6]):
+                    starts = torch.tensor(bad, dtype=torch.int32, device=device)
+                    bad_calls.append(dict(query_start_loc=starts))
+            for pool in (dict(ckv_cache=ckv), dict(ckv_cache=fp8, ckv_scale=scale)):
+                out, _ = torch.ops.astr.cuda_mla_attention(**call, **pool)
+                assert torch.isfinite(out).all()
+                for changes in bad_calls:
+                    torch.ops.astr.cuda_mla_attention(**{**call, **pool, **changes})
+        torch.cuda.synchronize()
+        print(f"latent attention, page_size {page_size}: ok")
 
 
 if __name__ == "__main__":

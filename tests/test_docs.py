@@ -79,6 +79,20 @@ def test_readme_companion_ops_take_the_schemas_arguments(name, op):
         assert [n.strip() for n in call.split(",")] == schema_arguments(op)
 
 
+def test_readme_latent_ops_take_the_schemas_arguments():
+    """README.md's mla_attention and append_mla calls list the schemas' arguments, in order
+    (issue 50's names are a client's contract)."""
+    text = " ".join(read("README.md").split())
+    for name, op in (
+        ("mla_attention", torch.ops.astr.mla_attention.default),
+        ("append_mla", torch.ops.astr.append_mla.default),
+    ):
+        calls = re.findall(rf"`torch\.ops\.astr\.{name}\(([^)]*)\)`", text)
+        assert calls, f"README.md shows no torch.ops.astr.{name}(...) call"
+        for call in calls:
+            assert [n.split("=")[0].strip() for n in call.split(",")] == schema_arguments(op)
+
+
 def csrc_readme_signature(name: str) -> list:
     """The argument names of csrc/README.md's bullet "- `name(args) -> ...`", '?' and
     defaults stripped, in order."""
@@ -100,6 +114,8 @@ def csrc_readme_signature(name: str) -> list:
         ("attention", torch.ops.astr.attention.default),
         ("merge_states", torch.ops.astr.merge_states.default),
         ("append_kv", torch.ops.astr.append_kv.default),
+        ("mla_attention", torch.ops.astr.mla_attention.default),
+        ("append_mla", torch.ops.astr.append_mla.default),
     ],
 )
 def test_csrc_readme_signatures_are_the_registered_schemas(name, op):

@@ -21,6 +21,8 @@ from .backend.attention import (
     merge_states,
 )
 from .kv_cache import KVCacheFullError, PagedKVCache, StepMetadata, tokens_that_fit
+from .latent_cache import PagedLatentCache
+from .mla import explain_mla, mla_attention
 from .ops import batch_invariant, set_batch_invariant
 from .selection import attn_backend, get_backend
 from .warning import AstraiWarning
@@ -35,14 +37,17 @@ __all__ = [
     "FlashAttnBackend",
     "KVCacheFullError",
     "PagedKVCache",
+    "PagedLatentCache",
     "StepMetadata",
     "TorchNativeBackend",
     "attention",
     "attn_backend",
     "batch_invariant",
     "explain",
+    "explain_mla",
     "get_backend",
     "merge_states",
+    "mla_attention",
     "tokens_that_fit",
     "set_batch_invariant",
 ]

@@ -92,8 +92,23 @@ def _cuda_paged_attention_fake(*args, **kwargs):
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
-# astr::append_kv has a Meta kernel in C++ (csrc/registration.cpp), which fake tensors run: it
-# checks the arguments as the device kernels do, and writes nothing.
+# astr::cuda_mla_attention takes astr::mla_attention's arguments (csrc/ops/mla_attention_args.h):
+# out [T, H, Dc] in q_nope's dtype; lse [T, H] float32 only with return_lse.
+_CUDA_MLA_OP_ARGS = tuple(
+    argument.name for argument in torch.ops.astr.cuda_mla_attention.default._schema.arguments
+)
+
+
+@torch.library.register_fake("astr::cuda_mla_attention")
+def _cuda_mla_attention_fake(*args, **kwargs):
+    call = dict(zip(_CUDA_MLA_OP_ARGS, args), **kwargs)
+    q_nope = call["q_nope"]
+    lse_shape = (q_nope.shape[0], q_nope.shape[1]) if call.get("return_lse", False) else (0,)
+    return q_nope.new_empty(q_nope.shape), q_nope.new_empty(lse_shape, dtype=torch.float32)
+
+
+# astr::append_kv and astr::append_mla have Meta kernels in C++ (csrc/ops/registration.cpp),
+# which fake tensors run: each checks the arguments as the device kernels do, and writes nothing.
 
 
 # astr::check_trace_state returns nothing and exists for its check: dead-code elimination in
@@ -112,6 +127,17 @@ def append_kv(
     v_scale: Optional[torch.Tensor] = None,
 ) -> None:
     torch.ops.astr.append_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def append_mla(
+    ckv: torch.Tensor,  # [T, Dc] the new tokens' latents
+    krope: torch.Tensor,  # [T, Dr] their rotary keys (rope applied)
+    ckv_cache: torch.Tensor,  # [P, S, Dc], written in place
+    krope_cache: torch.Tensor,  # [P, S, Dr], written in place
+    slot_mapping: torch.Tensor,  # int32 [T], page * S + offset; negative skips the token
+    ckv_scale: Optional[torch.Tensor] = None,  # FP8 (e4m3) latent pool: float32 [1]
+) -> None:
+    torch.ops.astr.append_mla(ckv, krope, ckv_cache, krope_cache, slot_mapping, ckv_scale)
 
 
 def set_kernel_tuning(tuning: str) -> None:

@@ -96,6 +96,10 @@ struct CallDescription {
 #undef ASTR_VARIANT_FIELD
   ScalarType kv_dtype = ScalarType::kOther;  // of the cache (paged) or k (dense)
   bool kv_scales = false;                    // k_scale / v_scale given
+  // astr::mla_attention: latent attention over a paged latent cache. q/k are [latent | rope]
+  // (head_dim = Dc + Dr, of which head_dim_v = Dc is the latent, also the value), one kv head
+  // shared by every q head; kv_dtype is the latent's.
+  bool latent = false;
 };
 
 }  // namespace astr::dispatch

@@ -3,6 +3,7 @@
 #include <array>
 #include <string>
 
+#include "../kernels/mla/config.h"
 #include "../kernels/paged_attention/config.h"
 
 namespace astr::dispatch {
@@ -34,8 +35,44 @@ void check_kv_dtype(const CallDescription& call, bool fp8_cache,
   if (call.kv_scales && !fp8) reasons.push_back("k_scale/v_scale: only for an FP8 KV cache");
 }
 
+// The cuda backend's latent attention (astr::mla_attention): csrc/kernels/mla/config.h.
+void cuda_latent_rules(const CallDescription& call, const BackendStatus& status, Checks checks,
+                       std::vector<std::string>& reasons) {
+  using namespace astr::kernels;
+  if (checks == Checks::kAll) {
+    if (!status.available) reasons.push_back(status.reason);
+    if (call.device != DeviceKind::kCUDA) {
+      reasons.push_back(std::string("needs CUDA tensors (got ") + device_kind_name(call.device) +
+                        ")");
+    } else if (call.arch < kMlaMinArch) {
+      reasons.push_back("needs sm_80 or newer (got " + arch_string(call.arch) + ")");
+    }
+  }
+  if (!is_half_precision(call.dtype)) {
+    reasons.push_back(std::string("dtype ") + scalar_type_name(call.dtype) +
+                      " not supported (supported: float16, bfloat16)");
+  }
+  const int rope_dim = call.head_dim - call.head_dim_v;
+  if (call.head_dim_v != kMlaLatentDim || rope_dim != kMlaRopeDim) {
+    reasons.push_back("latent dim " + std::to_string(call.head_dim_v) + " and rope dim " +
+                      std::to_string(rope_dim) + " not supported (supported: " +
+                      std::to_string(kMlaLatentDim) + " and " + std::to_string(kMlaRopeDim) + ")");
+  }
+  if (call.page_size < 1 || call.page_size > kMlaMaxPageSize) {
+    reasons.push_back("page_size " + std::to_string(call.page_size) +
+                      " not supported (supported: 1 to 256)");
+  }
+  if (call.needs_grad) reasons.push_back("has no backward (inputs require grad)");
+  if (!call.cuda_layout.empty()) reasons.push_back(call.cuda_layout);
+  check_kv_dtype(call, /*fp8_cache=*/true, reasons);
+}
+
 void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks checks,
                 std::vector<std::string>& reasons) {
+  if (call.latent) {
+    cuda_latent_rules(call, status, checks, reasons);
+    return;
+  }
   if (checks == Checks::kAll) {
     if (!status.available) reasons.push_back(status.reason);
     if (call.device != DeviceKind::kCUDA) {
@@ -112,6 +149,10 @@ void check_flash_head_dim_v(const CallDescription& call, const BackendStatus& st
 
 void flash_rules(const CallDescription& call, const BackendStatus& status, Checks checks,
                  std::vector<std::string>& reasons) {
+  if (call.latent) {  // flash-attn's packages have no latent attention
+    reasons.push_back("latent attention (mla_attention) not supported by the flash backend");
+    return;
+  }
   if (checks == Checks::kAll) {
     if (!status.available) reasons.push_back(status.reason);
     if (call.device != DeviceKind::kCUDA) {

@@ -15,7 +15,8 @@ constexpr PreferenceEntry kPreferences[] = {
 
 const PreferenceEntry* measured_preference(const CallDescription& call,
                                            const BackendStatus& flash) {
-  if (!flash.available || !call.has_kv_cache) return nullptr;
+  // Measured on attention's paged calls; flash has no latent attention to prefer.
+  if (!flash.available || !call.has_kv_cache || call.latent) return nullptr;
   const bool gqa = call.num_q_heads > call.num_kv_heads;
   for (const PreferenceEntry& entry : kPreferences) {
     if (entry.arch == call.arch && entry.mode == call.mode && entry.is_causal == call.is_causal &&

@@ -71,7 +71,7 @@ bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation,
               uint64_t(c.needs_grad) << 45 | uint64_t(c.is_causal) << 46 |
               uint64_t(c.q_len_equals_kv_len) << 47 | uint64_t(s.source) << 48 |
               uint64_t(c.kv_dtype) << 52 | uint64_t(c.kv_scales) << 56 |
-              uint64_t(c.query_len_log2 & 0x1F) << 57;
+              uint64_t(c.query_len_log2 & 0x1F) << 57 | uint64_t(c.latent) << 62;
   int bit = 0;
 #define ASTR_VARIANT_BIT(field, argument, cuda, flash, torch_native) \
   key.variants |= uint64_t(c.field) << bit++;

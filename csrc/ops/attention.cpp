@@ -16,24 +16,21 @@
 #include "ops/attention_args.h"
 #include "ops/backend_selection.h"
 #include "ops/ops.h"
+#include "ops/resolved_call.h"
 #include "support/check.h"
 #include "support/python_warnings.h"
 
 namespace astr {
-
-namespace {
 
 using dispatch::Backend;
 using dispatch::BackendStatusTable;
 using dispatch::CallDescription;
 using dispatch::Decision;
 
-void warn(const std::string& message) { warn_in_python(message); }
-
 // An implicit choice that skipped a backend which is present: say so once per distinct reason.
 // Training calls skipping the cache-only cuda kernels are by design, not a slow path. Marked as
 // said only once the warning was issued: one a filter turned into an error is raised again.
-void report_fallback(const Decision& decision, const CallDescription& call) {
+void report_fallback(const char* op, const Decision& decision, const CallDescription& call) {
   if (!decision.fell_back || !decision.chosen || decision.fallback_reported) return;
   std::string skipped;
   for (Backend backend : dispatch::kAllBackends) {
@@ -44,7 +41,8 @@ void report_fallback(const Decision& decision, const CallDescription& call) {
     if (reasons.empty() || by_design) continue;
     skipped += std::string(" ") + dispatch::backend_name(backend) + " (" + reasons.front() + ")";
   }
-  const std::string key = std::string("-> ") + dispatch::backend_name(*decision.chosen) + skipped;
+  const std::string key =
+      std::string(op) + " -> " + dispatch::backend_name(*decision.chosen) + skipped;
   static std::mutex mutex;
   static std::set<std::string> reported;
   {
@@ -56,9 +54,10 @@ void report_fallback(const Decision& decision, const CallDescription& call) {
   }
   const std::string requested =
       decision.selection.name.empty() ? std::string("default") : decision.selection.name;
-  warn(std::string("astr.attention: using ") + dispatch::backend_name(*decision.chosen) +
-       " (requested: " + requested + ", " +
-       dispatch::selection_source_name(decision.selection.source) + "); skipped" + skipped);
+  warn_in_python(std::string(op) + ": using " + dispatch::backend_name(*decision.chosen) +
+                 " (requested: " + requested + ", " +
+                 dispatch::selection_source_name(decision.selection.source) + "); skipped" +
+                 skipped);
   std::lock_guard<std::mutex> lock(mutex);
   reported.insert(key);
   decision.fallback_reported = true;
@@ -78,6 +77,8 @@ void record_trace_state(const at::Tensor& q) {
   const auto [name, source] = selected_backend();
   op.call(q, c10::string_view(name.data(), name.size()), source);
 }
+
+namespace {
 
 std::string describe_state(const std::string& name, int64_t source) {
   switch (static_cast<dispatch::SelectionSource>(source)) {
@@ -115,7 +116,7 @@ AttentionResult run_attention(AttentionArgs& args) {
   const CallDescription call = validate_and_describe(args);
   const Decision& decision = decide(args, call);
   ASTR_CHECK(decision.chosen.has_value(), decision.error);
-  report_fallback(decision, call);
+  report_fallback("astr.attention", decision, call);
   // A choice the caller did not pass is read at trace time: the graph checks it at run time.
   if (!args.backend && args.backend_source == 0 && is_traced(args.q)) record_trace_state(args.q);
   if (args.paged() && is_empty_batch(*args.seq_lens)) {
@@ -186,9 +187,10 @@ void check_trace_state(const at::Tensor& q, c10::string_view backend, int64_t ba
   ASTR_CHECK(false, "astr.attention: this compiled graph chose its attention backend under ",
              describe_state(traced, backend_source), ", but now runs under ",
              describe_state(name, source),
-             ". torch.compile does not guard direct torch.ops.astr.attention calls on the "
-             "backend context or ASTR_BACKEND: call astrai.extension.attention (it recompiles) "
-             "or pass backend=.... Retracing (torch._dynamo.reset()) helps only if the graph was "
+             ". torch.compile does not guard direct torch.ops.astr.attention (or mla_attention) "
+             "calls on the backend context or ASTR_BACKEND: call astrai.extension.attention (or "
+             "mla_attention; they recompile) or pass backend=.... Retracing "
+             "(torch._dynamo.reset()) helps only if the graph was "
              "traced in this process: AOTAutograd's on-disk cache keys graphs on their ops, not "
              "on this choice (torch._functorch.config.enable_autograd_cache = False turns it "
              "off).");

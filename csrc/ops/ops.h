@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "ops/attention_args.h"
+#include "ops/mla_attention_args.h"
 
 namespace astr {
 
@@ -86,5 +87,32 @@ bool metadata_checks();
 // depend on the batch around it.
 void set_batch_invariant(bool enabled);
 bool batch_invariant();
+
+// Latent attention (DeepSeek-family MLA) over a paged latent cache: the query already multiplied
+// by the absorbed key up-projection, q_nope [T,H,Dc] and q_rope [T,H,Dr], attends over one latent
+// ckv [Dc] and one rotary key krope [Dr] per cached token, shared by every head; returns
+// out [T,H,Dc] (the caller applies the value up-projection). Arguments after q_nope: the one list
+// ASTR_MLA_ATTENTION_ARGS (mla_attention_args.h). Resolves a backend like attention.
+at::Tensor mla_attention(const at::Tensor& q_nope ASTR_MLA_ATTENTION_PARAMS);
+// mla_attention, also returning lse [T,H] (float32, natural log). return_lse must be true.
+std::tuple<at::Tensor, at::Tensor> mla_attention_with_lse(
+    const at::Tensor& q_nope ASTR_MLA_ATTENTION_PARAMS, bool return_lse);
+// The resolver's decision for the same arguments, as JSON text, without running anything.
+std::string explain_mla(const at::Tensor& q_nope ASTR_MLA_ATTENTION_PARAMS, bool return_lse);
+
+// Writes ckv [T,Dc] and krope [T,Dr] into the pools ckv_cache [P,S,Dc] and krope_cache [P,S,Dr]
+// at slot_mapping [T] (int32, page*S+offset; negative: skip); an FP8 (e4m3) ckv_cache stores
+// fp8(clamp(ckv / ckv_scale)) with ckv_scale float32 [1]. CPU kernel here (append_mla.cpp), CUDA
+// kernel in ops/append_mla_cuda.cu; the Meta kernel checks only; the Autograd kernel writes
+// below autograd.
+void append_mla_cpu(const at::Tensor& ckv, const at::Tensor& krope, at::Tensor& ckv_cache,
+                    at::Tensor& krope_cache, const at::Tensor& slot_mapping,
+                    const std::optional<at::Tensor>& ckv_scale);
+void append_mla_meta(const at::Tensor& ckv, const at::Tensor& krope, at::Tensor& ckv_cache,
+                     at::Tensor& krope_cache, const at::Tensor& slot_mapping,
+                     const std::optional<at::Tensor>& ckv_scale);
+void append_mla_autograd(const at::Tensor& ckv, const at::Tensor& krope, at::Tensor& ckv_cache,
+                         at::Tensor& krope_cache, const at::Tensor& slot_mapping,
+                         const std::optional<at::Tensor>& ckv_scale);
 
 }  // namespace astr

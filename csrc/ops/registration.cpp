@@ -88,6 +88,34 @@ TORCH_LIBRARY(astr, m) {
       "str? mode, bool placement) -> str",
       &astr::check_backend);
 
+  // Latent attention (DeepSeek-family MLA) over a paged latent cache; picks the backend like
+  // attention. Its arguments after q_nope are one list, ASTR_MLA_ATTENTION_ARGS
+  // (mla_attention_args.h); mla_attention(..., return_lse=True) resolves to the .lse overload.
+  m.def("mla_attention(Tensor q_nope" ASTR_MLA_ATTENTION_SCHEMA_ARGS ") -> Tensor");
+  m.impl("mla_attention", c10::DispatchKey::CompositeImplicitAutograd,
+         TORCH_FN(astr::mla_attention));
+  m.def("mla_attention.lse(Tensor q_nope" ASTR_MLA_ATTENTION_SCHEMA_ARGS
+        ", *, bool return_lse) -> (Tensor, Tensor)");
+  m.impl("mla_attention.lse", c10::DispatchKey::CompositeImplicitAutograd,
+         TORCH_FN(astr::mla_attention_with_lse));
+  // The resolver's decision for a latent attention call, as JSON, without running it.
+  m.def("explain_mla(Tensor q_nope" ASTR_MLA_ATTENTION_SCHEMA_ARGS
+        ", *, bool return_lse=False) -> str",
+        &astr::explain_mla);
+  // Writes new tokens' latents and rotary keys into the latent pools through the slot mapping
+  // (mutates both pools); an FP8 latent pool stores fp8(clamp(ckv / ckv_scale)).
+  m.def(
+      "append_mla(Tensor ckv, Tensor krope, Tensor(a!) ckv_cache, Tensor(b!) krope_cache, "
+      "Tensor slot_mapping, Tensor? ckv_scale=None) -> ()");
+  m.impl("append_mla", c10::DispatchKey::CPU, TORCH_FN(astr::append_mla_cpu));
+  m.impl("append_mla", c10::DispatchKey::Meta, TORCH_FN(astr::append_mla_meta));
+  m.impl("append_mla", c10::DispatchKey::Autograd, TORCH_FN(astr::append_mla_autograd));
+  // The cuda backend's latent attention kernels (CUDA key only; backends/cuda/mla_attention.cu),
+  // over mla_attention's arguments (backend and backend_source are ignored). Returns (out, lse):
+  // lse [T, H] float32 when return_lse, else an empty tensor.
+  m.def("cuda_mla_attention(Tensor q_nope" ASTR_MLA_ATTENTION_SCHEMA_ARGS
+        ", *, bool return_lse=False) -> (Tensor, Tensor)");
+
   // Thread-local override stack, pushed/popped by attn_backend(...) in Python. A push returns its
   // entry's id; a pop with that id removes that entry wherever it is (None: the top).
   m.def("push_backend(str name) -> int", &astr::push_backend);

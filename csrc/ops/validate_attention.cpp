@@ -12,6 +12,7 @@
 #include "dispatch/capability.h"
 #include "ops/append_kv_checks.h"
 #include "ops/attention_args.h"
+#include "ops/paged_metadata_checks.h"
 #include "support/check.h"
 #include "support/device_arch.h"
 #include "support/kernel_settings.h"
@@ -156,45 +157,47 @@ std::string size_string(const c10::SymInt& size) {
 // Value checks on the paged metadata: only for CPU tensors, where reading them costs no device
 // synchronisation. On the GPU the kernels guard every index and poison the rows of a sequence
 // whose metadata is out of range with NaN.
-void validate_paged_values(const AttentionArgs& a, int64_t num_pages, int64_t page_size) {
+void validate_paged_values(const PagedMetadata& m) {
   // On the GPU (checked mode) the metadata is read back first: a host synchronisation.
-  const at::Tensor block_table = a.block_table->cpu().contiguous();
-  const at::Tensor seq_lens = a.seq_lens->cpu().contiguous();
+  const at::Tensor block_table = m.block_table.cpu().contiguous();
+  const at::Tensor seq_lens = m.seq_lens.cpu().contiguous();
   const int64_t batch = seq_lens.size(0);
   const int64_t width = block_table.size(1);
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t num_pages = m.num_pages, page_size = m.page_size;
   std::optional<at::Tensor> starts;
-  if (a.query_start_loc) starts = a.query_start_loc->cpu().contiguous();
+  if (m.query_start_loc) starts = m.query_start_loc->cpu().contiguous();
   const int32_t* start = starts ? starts->data_ptr<int32_t>() : nullptr;
+  const std::string q = m.q_name;
   if (start) {
     ASTR_CHECK(start[0] == 0, "query_start_loc: must start at 0, got ", start[0]);
-    ASTR_CHECK(start[batch] == a.q.size(0), "query_start_loc: last entry ", start[batch],
-               " must equal the number of query tokens (q.size(0) = ", a.q.size(0), ")");
+    ASTR_CHECK(start[batch] == m.num_tokens, "query_start_loc: last entry ", start[batch],
+               " must equal the number of query tokens (", q, ".size(0) = ", m.num_tokens, ")");
     // Every entry within [0, T] before any difference is taken: an entry near the int32 limits
     // would otherwise give a length that wraps, blamed on max_query_len.
     for (int64_t b = 1; b < batch; ++b) {
-      ASTR_CHECK(start[b] >= 0 && start[b] <= a.q.size(0), "query_start_loc: entry ", b, " is ",
-                 start[b], ", outside [0, ", a.q.size(0), "] (the query tokens of q)");
+      ASTR_CHECK(start[b] >= 0 && start[b] <= m.num_tokens, "query_start_loc: entry ", b, " is ",
+                 start[b], ", outside [0, ", m.num_tokens, "] (the query tokens of ", q, ")");
     }
   }
   for (int64_t b = 0; b < batch; ++b) {
     int64_t q_len = 1;
-    if (a.decode() && start) {
+    if (m.decode && start) {
       ASTR_CHECK(start[b + 1] - start[b] == 1, "query_start_loc: decode takes one token per ",
                  "sequence (0, 1, ..., batch), entry ", b + 1, " is ", start[b + 1], " after ",
                  start[b]);
     }
-    if (!a.decode()) {
+    if (!m.decode) {
       ASTR_CHECK(start != nullptr, "query_start_loc: required for paged prefill");
       q_len = static_cast<int64_t>(start[b + 1]) - start[b];
       ASTR_CHECK(q_len >= 0, "query_start_loc: must be non-decreasing, entry ", b + 1, " is ",
                  start[b + 1], " after ", start[b]);
-      ASTR_CHECK(q_len <= a.max_query_len, "max_query_len: ", a.max_query_len,
+      ASTR_CHECK(q_len <= m.max_query_len, "max_query_len: ", m.max_query_len,
                  " is less than sequence ", b, "'s ", q_len, " new tokens");
     }
     // A decode slot of length 0 is padding (zeros out); otherwise the new tokens are cached.
-    const bool padding = a.decode() && lens[b] == 0;
+    const bool padding = m.decode && lens[b] == 0;
     ASTR_CHECK(padding || lens[b] >= q_len, "seq_lens: sequence ", b, " has length ", lens[b],
                ", fewer than its ", q_len, " new tokens (seq_lens counts cached + new tokens)");
     ASTR_CHECK(lens[b] <= width * page_size, "seq_lens: sequence ", b, " has length ", lens[b],
@@ -271,24 +274,9 @@ void validate_paged(const AttentionArgs& a) {
                "query token (",
                q.size(0), "), got shape ", shape_string(*a.attn_mask));
   }
-  const bool readable = has_readable_data(*a.block_table) && has_readable_data(*a.seq_lens) &&
-                        (!a.query_start_loc || has_readable_data(*a.query_start_loc));
-  // CPU metadata is always validated (reading it costs no synchronisation); GPU metadata in the
-  // checked mode (kernel_settings.h), where a bad value raises here instead of giving NaN rows.
-  if (readable && (q.device().is_cpu() || metadata_checks_enabled())) {
-    try {
-      validate_paged_values(a, k_cache.size(0), k_cache.size(1));
-    } catch (const c10::Error& error) {
-      const std::string what = error.what_without_backtrace();
-      const bool capture = what.find("capture") != std::string::npos;
-      ASTR_CHECK(!capture,
-                 "metadata checks (ASTR_CHECK_METADATA / set_metadata_checks) read the paged "
-                 "metadata back to the host, which a CUDA graph capture does not allow: turn them "
-                 "off while capturing (",
-                 what, ")");
-      throw;
-    }
-  }
+  check_paged_metadata_values({*a.block_table, *a.seq_lens,
+                               a.query_start_loc ? &*a.query_start_loc : nullptr, q.size(0),
+                               a.max_query_len, a.decode(), k_cache.size(0), k_cache.size(1), "q"});
 }
 
 // "[a, b, ...]", "?" for a symbolic stride (c10's stream operator for SymInt arrays is not used:
@@ -528,6 +516,29 @@ bool any_requires_grad(const AttentionArgs& a) {
 }
 
 }  // namespace
+
+void check_paged_metadata_values(const PagedMetadata& metadata) {
+  const bool readable = has_readable_data(metadata.block_table) &&
+                        has_readable_data(metadata.seq_lens) &&
+                        (!metadata.query_start_loc || has_readable_data(*metadata.query_start_loc));
+  // CPU metadata is always validated (reading it costs no synchronisation); GPU metadata in the
+  // checked mode (kernel_settings.h), where a bad value raises here instead of giving NaN rows.
+  if (!readable || !(metadata.seq_lens.device().is_cpu() || metadata_checks_enabled())) return;
+  try {
+    validate_paged_values(metadata);
+  } catch (const c10::Error& error) {
+    const std::string what = error.what_without_backtrace();
+    const bool capture = what.find("capture") != std::string::npos;
+    ASTR_CHECK(!capture,
+               "metadata checks (ASTR_CHECK_METADATA / set_metadata_checks) read the paged "
+               "metadata back to the host, which a CUDA graph capture does not allow: turn them "
+               "off while capturing (",
+               what, ")");
+    throw;
+  }
+}
+
+bool has_readable_values(const at::Tensor& t) { return has_readable_data(t); }
 
 AttentionArgs::AttentionArgs(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse)
     : q(q)
