@@ -423,3 +423,37 @@ def test_the_resolver_runs_topk_calls_on_the_cuda_kernels_and_the_plan_names_the
     ref = reference(batch, batch.q, True, None, topk_indices=indices)
     err = (out.double() - ref).norm() / ref.norm()
     assert err < 1e-2
+
+
+def test_a_tree_mask_and_the_listed_keys_both_apply():
+    """A verify's drafts (tree_mask over each sequence's new tokens) with indices: a draft sees
+    the listed keys of its cached prefix and of the drafts its tree names."""
+    from tests.kernels.test_cuda_tree_verify import tree_batch
+
+    batch, tree_mask, g = tree_batch([0, 37, 3000], [16, 2, 7], 8, 2, 128, 16, torch.bfloat16, 61)
+    indices = topk_rows(batch, 256, g)
+    scale = 1.0 / math.sqrt(128)
+    poison_next_allocation(batch.q.shape, batch.q.dtype)
+    args = (batch, batch.q, indices, False, scale)
+    out, lse = cuda_op(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        max(batch.q_lens_list),
+        False,
+        None,
+        True,
+        scale,
+        return_lse=True,
+        tree_mask=tree_mask,
+        topk_indices=indices,
+    )
+    ref_out, ref_lse = reference(
+        batch, batch.q, True, scale, tree_mask=tree_mask, topk_indices=indices, return_lse=True
+    )
+    assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
+    causal, _ = run(*args)  # the causal triangle among the drafts in place of the tree
+    assert (causal.double() - ref_out).abs().max().item() > 0.05
