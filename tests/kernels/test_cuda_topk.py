@@ -263,12 +263,13 @@ def test_a_bad_entry_makes_its_own_row_nan_and_leaves_the_others_right(bad, deco
     table = batch.block_table.clone()
     value = {"minus_two": -2, "very_negative": -(1 << 30), "the_length": 900, "far_past": 1 << 30}
     if bad == "page_outside_the_pool":
-        # Sequence 1's last page leaves the pool: only the victim lists a position on it.
+        # Sequence 1's last page (positions 896-899) leaves the pool: only the victim lists a
+        # position on it, 896, which it sees (the prefill's victim sits at 897).
         seq1 = slice(1, 2) if decode else slice(3, 8)
         indices[seq1] = torch.where(indices[seq1] >= 896, -1, indices[seq1])
-        table[1, 899 // 16] = batch.k_cache.shape[0]  # one past the pool
+        table[1, 896 // 16] = batch.k_cache.shape[0]  # one past the pool
     corrupt = indices.clone()
-    corrupt[victim, 10] = 899 if bad == "page_outside_the_pool" else value[bad]
+    corrupt[victim, 10] = 896 if bad == "page_outside_the_pool" else value[bad]
     if decode:
         corrupt[2, :5] = torch.tensor([3, -7, 1 << 20, 0, -1], dtype=torch.int32)  # padding slot
     for splits in ("", "decode_splits=5"):
