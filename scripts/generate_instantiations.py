@@ -78,7 +78,7 @@ def read_config(path: str = CONFIG):
 
 # The families that read an FP8 cache themselves (config.h: ASTR_PAGED_KV_KINDS; plan.h:
 # prefill_reads_fp8).
-FP8_FAMILIES = ("paged_decode", "paged_prefill", "paged_prefill_wgmma")
+FP8_FAMILIES = ("paged_decode", "paged_prefill", "paged_prefill_wgmma", "paged_topk")
 
 FAMILIES = {
     # family: (header, launch template, its extra parameters, the config flag it needs)
@@ -86,6 +86,12 @@ FAMILIES = {
         "decode_kernel.cuh",
         "run_paged_decode",
         "const PagedKernelArgs&, DecodeForm, cudaStream_t",
+        None,
+    ),
+    "paged_topk": (
+        "topk_attention_kernel.cuh",
+        "run_paged_topk",
+        "const PagedKernelArgs&, cudaStream_t",
         None,
     ),
     "paged_decode_persistent": (

@@ -45,17 +45,17 @@ std::optional<Backend> parse_backend(std::string_view name);
 // "cuda, flash, torch_native (or sdpa)": for error messages.
 std::string valid_backend_names();
 
-// The variants a call may ask for (kernels/paged_attention/params.h defines them; topk_indices,
-// which no kernel takes yet: csrc/README.md), and which backends implement each; the capability
-// rules pass a backend by for a variant it lacks, and a backend's own op refuses it
-// (validate_variant_args). One column per backend, in ASTR_BACKENDS' order:
+// The variants a call may ask for (kernels/paged_attention/params.h defines them), and which
+// backends implement each; the capability rules pass a backend by for a variant it lacks, and a
+// backend's own op refuses it (validate_variant_args). One column per backend, in ASTR_BACKENDS'
+// order:
 //   X(CallDescription field, the op's argument, cuda, flash, torch_native)
-#define ASTR_VARIANTS(X)                      \
-  X(window, "window_left", true, true, true)  \
-  X(softcap, "softcap", true, true, true)     \
-  X(sinks, "sinks", true, false, true)        \
-  X(lse, "return_lse", true, true, true)      \
-  X(topk, "topk_indices", false, false, true) \
+#define ASTR_VARIANTS(X)                     \
+  X(window, "window_left", true, true, true) \
+  X(softcap, "softcap", true, true, true)    \
+  X(sinks, "sinks", true, false, true)       \
+  X(lse, "return_lse", true, true, true)     \
+  X(topk, "topk_indices", true, false, true) \
   X(tree_mask, "tree_mask", true, false, true)
 
 enum class DeviceKind { kCPU, kCUDA, kOther };
@@ -94,6 +94,8 @@ struct CallDescription {
 #define ASTR_VARIANT_FIELD(field, argument, cuda, flash, torch_native) bool field = false;
   ASTR_VARIANTS(ASTR_VARIANT_FIELD)
 #undef ASTR_VARIANT_FIELD
+  // topk_indices' entries per query row (its last dim): 0 without, -1 where symbolic.
+  int64_t topk_entries = 0;
   ScalarType kv_dtype = ScalarType::kOther;  // of the cache (paged) or k (dense)
   bool kv_scales = false;                    // k_scale / v_scale given
   // astr::mla_attention: latent attention over a paged latent cache. q/k are [latent | rope]

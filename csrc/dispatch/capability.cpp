@@ -5,6 +5,7 @@
 
 #include "../kernels/mla/config.h"
 #include "../kernels/paged_attention/config.h"
+#include "../kernels/paged_attention/plan.h"
 
 namespace astr::dispatch {
 
@@ -110,6 +111,12 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
   }
   if (call.needs_grad) reasons.push_back("has no backward (inputs require grad)");
   if (!call.cuda_layout.empty()) reasons.push_back(call.cuda_layout);
+  // The top-k kernels' listing pass holds a row's entries in a table in shared memory (plan.h).
+  if (call.topk && call.topk_entries > astr::kernels::kTopkMaxEntries) {
+    reasons.push_back("topk_indices: " + std::to_string(call.topk_entries) +
+                      " entries per query row (the kernels take at most " +
+                      std::to_string(astr::kernels::kTopkMaxEntries) + ")");
+  }
   check_kv_dtype(call, /*fp8_cache=*/true, reasons);
   check_heads_divide(call, reasons);
 }

@@ -63,6 +63,7 @@ bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation,
   }
   if (c.arch < 0 || c.arch > 0xFF || c.q_rank < 0 || c.q_rank > 0xF) return false;
   if (c.query_len_log2 < 0 || c.query_len_log2 > 0x1F) return false;
+  if (c.topk_entries < 0 || c.topk_entries > 0x7FFFFFFF) return false;
   key.shape = uint64_t(c.head_dim) | uint64_t(c.head_dim_v) << 16 | uint64_t(c.num_q_heads) << 32 |
               uint64_t(c.num_kv_heads) << 48;
   key.flags = uint64_t(c.page_size) | uint64_t(c.arch) << 16 | uint64_t(c.q_rank) << 24 |
@@ -77,6 +78,7 @@ bool pack_key(const CallDescription& c, const Selection& s, uint64_t generation,
   key.variants |= uint64_t(c.field) << bit++;
   ASTR_VARIANTS(ASTR_VARIANT_BIT)
 #undef ASTR_VARIANT_BIT
+  key.variants |= uint64_t(c.topk_entries) << 32;
   key.generation = generation;
   key.name = s.name;
   return true;

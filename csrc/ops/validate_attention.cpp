@@ -503,6 +503,11 @@ void describe_variants(const AttentionArgs& a, CallDescription& call) {
   call.sinks = a.sinks.has_value();
   call.lse = a.return_lse;
   call.topk = a.topk_indices.has_value();
+  if (a.topk_indices) {
+    // A symbolic width (traced with dynamic shapes) is unknown here: -1.
+    const std::optional<int64_t> entries = a.topk_indices->sym_size(-1).maybe_as_int();
+    call.topk_entries = entries.value_or(-1);
+  }
   call.tree_mask = a.tree_mask.has_value();
 }
 

@@ -22,7 +22,11 @@ using astr::kernels::DecodePlan;
 using astr::kernels::DecodeShape;
 using astr::kernels::DeviceFacts;
 using astr::kernels::KernelTuning;
+using astr::kernels::kTopkMaxEntries;
 using astr::kernels::PrefillKernel;
+using astr::kernels::topk_table_slots;
+using astr::kernels::TopkPlan;
+using astr::kernels::TopkShape;
 
 constexpr int64_t kH200Slots = 132 * 2;
 constexpr int64_t pairs(int64_t batch, int64_t kv_heads = 8) { return batch * kv_heads; }
@@ -536,6 +540,67 @@ TEST(Verify, NeverRunsThePersistentDecodeWhichTakesOneTokenPerSequence) {
   EXPECT_NE(plan(verify(12, 4096, 4)).form, DecodeForm::kPersistent);
   EXPECT_NE(plan(verify(12, 4096, 4), h200(), "decode_form=persistent").form,
             DecodeForm::kPersistent);
+}
+
+// ---- Sparse top-k attention: every query token an item, splits over its listed entries ---------
+
+TopkShape topk_call(int64_t tokens, int64_t topk, int head_dim = 128, int kv_bytes = 2) {
+  TopkShape shape;
+  shape.num_tokens = tokens;
+  shape.num_q_heads = 32;
+  shape.num_kv_heads = 8;
+  shape.head_dim = head_dim;
+  shape.topk = topk;
+  shape.kv_bytes = kv_bytes;
+  return shape;
+}
+
+TopkPlan topk_plan(const TopkShape& shape, const char* tuning = "") {
+  KernelTuning parsed;
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning(tuning, &parsed), "");
+  return astr::kernels::plan_paged_topk(shape, h200(), parsed);
+}
+
+TEST(TopkPlan, FewTokensSplitTheirEntryTilesOverOneWaveAsADecodeSplitsItsKvTiles) {
+  // 2048 entries: 32 tiles of 64 (16 of 128 over an FP8 cache). One token: 8 items.
+  const TopkPlan one = topk_plan(topk_call(1, 2048));
+  EXPECT_EQ(one.num_splits, 32);  // the one-wave rule allows 33, the tiles 32
+  EXPECT_EQ(one.workspace_floats, 32u * 1 * 32 * (128 + 1));
+  EXPECT_EQ(topk_plan(topk_call(1, 2048, 128, 1)).num_splits, 16);
+  // 16 tokens: 128 items, two splits fill the wave.
+  EXPECT_EQ(topk_plan(topk_call(16, 2048)).num_splits, 2);
+  // A prefill's thousands of tokens fill it alone: one split, no workspace.
+  const TopkPlan many = topk_plan(topk_call(4096, 2048));
+  EXPECT_EQ(many.num_splits, 1);
+  EXPECT_EQ(many.workspace_floats, 0u);
+  EXPECT_EQ(describe_plan(one), "split x32");
+}
+
+TEST(TopkPlan, TheTuningForcesASplitCountAndBatchInvariantModeSplitsBy16Tiles) {
+  EXPECT_EQ(topk_plan(topk_call(4096, 2048), "decode_splits=3").num_splits, 3);
+  TopkShape invariant_call = topk_call(1, 2048);
+  invariant_call.batch_invariant = true;
+  const TopkPlan invariant = topk_plan(invariant_call);
+  EXPECT_EQ(invariant.split_tiles, 16);
+  EXPECT_EQ(invariant.num_splits, 2);
+  EXPECT_EQ(describe_plan(invariant), "split x2 of 16 tiles");
+  invariant_call.num_tokens = 4096;  // the batch changes nothing
+  EXPECT_EQ(topk_plan(invariant_call).num_splits, 2);
+}
+
+TEST(TopkPlan, TheListingTableHoldsTwiceTheEntriesUpToItsLimit) {
+  EXPECT_EQ(topk_table_slots(0), 32);
+  EXPECT_EQ(topk_table_slots(16), 32);
+  EXPECT_EQ(topk_table_slots(17), 64);
+  EXPECT_EQ(topk_table_slots(2048), 4096);
+  EXPECT_EQ(topk_table_slots(8192), 16384);
+  EXPECT_EQ(topk_table_slots(kTopkMaxEntries), 16384);  // fewer slots than twice, more than once
+  EXPECT_EQ(topk_table_slots(kTopkMaxEntries + 1), 0);
+  EXPECT_EQ(topk_plan(topk_call(1, 2048)).table_slots, 4096);
+  const TopkPlan wide = topk_plan(topk_call(1, kTopkMaxEntries + 1));
+  EXPECT_NE(wide.error.find("at most 16383 entries"), std::string::npos) << wide.error;
+  EXPECT_NE(topk_plan(topk_call(1, 64, 80)).error.find("unsupported head_dim 80"),
+            std::string::npos);
 }
 
 // ---- Batch-invariant mode: what a sequence's rows go through depends on the sequence alone -----

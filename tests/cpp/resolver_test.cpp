@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../../csrc/kernels/paged_attention/config.h"
+#include "../../csrc/kernels/paged_attention/plan.h"
 #include "capability.h"
 
 namespace astr::dispatch {
@@ -334,21 +335,34 @@ TEST(FlashCapability, UnequalQkAndVHeadDimsAsEachFlashAttentionTakesThem) {
                        "gradients with v head_dim 128"));
 }
 
-TEST(VariantColumns, TopkIndicesRunOnTorchNativeOnly) {
+TEST(VariantColumns, TopkIndicesRunOnCudaAndTorchNativeNotFlash) {
   BackendStatus ok{true, "", 3};
   CallDescription call = paged_decode();
   call.topk = true;
-  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
-                       "topk_indices not supported by the cuda backend"));
+  call.topk_entries = 2048;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, ok, Checks::kAll),
                        "topk_indices not supported by the flash backend"));
   EXPECT_TRUE(rejection_reasons(Backend::kTorchNative, call, ok, Checks::kAll).empty());
   std::vector<std::string> missing;
   check_variants(Backend::kCuda, call, missing);
-  EXPECT_EQ(missing.size(), 1u);
+  EXPECT_TRUE(missing.empty());
   Decision implicit = resolve_backend(call, {}, all_available());
   ASSERT_TRUE(implicit.chosen.has_value());
-  EXPECT_EQ(*implicit.chosen, Backend::kTorchNative);
+  EXPECT_EQ(*implicit.chosen, Backend::kCuda);
+}
+
+TEST(VariantColumns, RowsOfMoreTopkEntriesThanTheListingTableHoldsGoToTorchNative) {
+  BackendStatus ok{true, "", 3};
+  CallDescription call = paged_decode();
+  call.topk = true;
+  call.topk_entries = astr::kernels::kTopkMaxEntries;
+  EXPECT_EQ(*resolve_backend(call, {}, all_available()).chosen, Backend::kCuda);
+  call.topk_entries = astr::kernels::kTopkMaxEntries + 1;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       "topk_indices: 16384 entries per query row (the kernels take at most "
+                       "16383)"));
+  EXPECT_EQ(*resolve_backend(call, {}, all_available()).chosen, Backend::kTorchNative);
 }
 
 TEST(TorchNativeCapability, RunsEveryFloatingCallOnAnyDevice) {

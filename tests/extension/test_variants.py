@@ -10,6 +10,8 @@ control: the same comparison with the variant dropped must fail.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -428,13 +430,44 @@ def test_an_unchecked_bad_entry_gives_nan_rows_never_finite_numbers():
     assert close(out[0, 0::2], ref[0, 0::2], 1e-10)
 
 
-def test_cuda_and_flash_pass_topk_indices_by_naming_it():
+def test_the_cuda_kernels_take_paged_topk_indices_and_flash_passes_them_by_naming_them():
+    """ASTR_VARIANTS' topk row: cuda and torch_native implement it, flash does not. On the CPU the
+    cuda backend is passed by for the device alone; a dense call for having no cache."""
+    from astrai.extension import ops
+    from tests.extension.test_tree_mask import base_args
+
+    assert ops.BUILD_INFO["variants"]["topk_indices"] == {
+        "cuda": True,
+        "flash": False,
+        "torch_native": True,
+    }
+    indices = torch.full((7, 3), -1, dtype=torch.int32)
+    decision = json.loads(torch.ops.astr.explain(**base_args(topk_indices=indices)))
+    assert decision["backend"] == "torch_native"
+    rejected = decision["reasons"]
+    assert "topk_indices not supported by the flash backend" in rejected["flash"]
+    assert not any("topk_indices" in reason for reason in rejected["cuda"]), rejected["cuda"]
+    assert any("needs CUDA tensors" in reason for reason in rejected["cuda"])
     q, k, v = dense_inputs(dtype=torch.bfloat16)
-    indices = torch.zeros(2, 9, 3, dtype=torch.int32)
-    decision = ae.explain(q, k, v, topk_indices=indices)
-    for backend in ("cuda", "flash"):
-        assert f"topk_indices not supported by the {backend} backend" in decision.rejected[backend]
-    assert decision.backend == "torch_native"
+    dense = ae.explain(q, k, v, topk_indices=torch.zeros(2, 9, 3, dtype=torch.int32))
+    assert any("needs a paged KV cache" in reason for reason in dense.rejected["cuda"])
+    assert not any("topk_indices" in reason for reason in dense.rejected["cuda"])
+
+
+def test_rows_wider_than_the_cuda_listing_table_pass_cuda_by_naming_their_width():
+    """The top-k kernels hold a row's entries in a table of 16384 slots (plan.h): 16383 entries
+    at most; the resolver passes cuda by for wider rows, naming the width."""
+    from tests.extension.test_tree_mask import base_args
+
+    wide = torch.full((7, 16384), -1, dtype=torch.int32)
+    rejected = json.loads(torch.ops.astr.explain(**base_args(topk_indices=wide)))["reasons"]
+    assert any(
+        "topk_indices: 16384 entries per query row (the kernels take at most 16383)" in reason
+        for reason in rejected["cuda"]
+    ), rejected["cuda"]
+    fits = torch.full((7, 16383), -1, dtype=torch.int32)
+    rejected = json.loads(torch.ops.astr.explain(**base_args(topk_indices=fits)))["reasons"]
+    assert not any("topk_indices" in reason for reason in rejected["cuda"])
 
 
 def test_opcheck_and_compile_over_topk_indices():

@@ -25,6 +25,7 @@ def cuda_op(
     k_scale=None,
     v_scale=None,
     tree_mask=None,
+    topk_indices=None,
 ):
     """astr::cuda_paged_attention (the cuda backend's op, over attention's arguments) for a
     paged call, positionally in the order the kernel tests build their calls; (out, lse)."""
@@ -46,6 +47,7 @@ def cuda_op(
         k_scale=k_scale,
         v_scale=v_scale,
         tree_mask=tree_mask,
+        topk_indices=topk_indices,
         return_lse=return_lse,
     )
 

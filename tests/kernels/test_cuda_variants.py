@@ -300,23 +300,3 @@ def test_persistent_decode_windows_items_of_every_length(tuning):
         out, lse = run(batch, batch.q, True, scale, window_left)
         ref_out, ref_lse = variant_reference(batch, batch.q, scale, window_left)
         assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
-
-
-def test_the_cuda_op_refuses_topk_indices_until_the_kernels_read_them():
-    """ASTR_VARIANTS' cuda column is false for topk_indices: the resolver passes cuda by (then
-    torch_native runs the call), and a direct call of the cuda op raises instead of ignoring it."""
-    batch = PagedBatch([9, 5], [1, 1], 4, 2, 64, 16, torch.bfloat16)
-    q = torch.randn(2, 4, 64, device="cuda", dtype=torch.bfloat16)
-    indices = torch.zeros(2, 3, dtype=torch.int32, device="cuda")
-    with pytest.raises(NotImplementedError, match="topk_indices not supported by the cuda"):
-        torch.ops.astr.cuda_paged_attention(
-            q,
-            k_cache=batch.k_cache,
-            v_cache=batch.v_cache,
-            block_table=batch.block_table,
-            seq_lens=batch.seq_lens,
-            max_query_len=1,
-            mode="decode",
-            is_causal=True,
-            topk_indices=indices,
-        )

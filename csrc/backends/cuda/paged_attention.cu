@@ -148,6 +148,41 @@ kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
   return kernels::launch_paged_prefill(params, plan, stream);
 }
 
+kernels::TopkPlan plan_topk(const PagedCallShape& shape, const AttentionArgs& args,
+                            const kernels::DeviceFacts& device, const kernels::KernelTuning& tuning,
+                            bool batch_invariant) {
+  kernels::TopkShape topk = topk_shape(shape, args);
+  topk.batch_invariant = batch_invariant;
+  return kernels::plan_paged_topk(topk, device, tuning);
+}
+
+// Sparse top-k attention, decode or prefill: the listing pass' scratch and the split workspace
+// are sized from shapes only (T, topk, the split count).
+kernels::LaunchStatus launch_topk(const kernels::PagedAttentionParams& base,
+                                  const PagedCallShape& shape, const AttentionArgs& args,
+                                  const kernels::DeviceFacts& device,
+                                  const kernels::KernelTuning& tuning, bool batch_invariant,
+                                  cudaStream_t stream) {
+  kernels::PagedTopkParams params{};
+  static_cast<kernels::PagedAttentionParams&>(params) = base;
+  const kernels::TopkPlan plan = plan_topk(shape, args, device, tuning, batch_invariant);
+  ASTR_CHECK(plan.error.empty(), "cuda_paged_attention: ", plan.error);
+  const at::Tensor listed =
+      at::empty({shape.num_tokens, args.topk_indices->size(1)}, args.q.options().dtype(at::kInt));
+  params.listed_positions = listed.data_ptr<int32_t>();
+  at::Tensor workspace;
+  if (plan.workspace_floats > 0) {
+    workspace = at::empty({static_cast<int64_t>(plan.workspace_floats)},
+                          args.q.options().dtype(at::kFloat));
+    params.workspace = workspace.data_ptr<float>();
+  }
+  if (!args.decode()) {
+    params.query_start_loc = args.query_start_loc->data_ptr<int32_t>();
+    params.max_query_len = static_cast<int>(std::min<int64_t>(args.max_query_len, INT32_MAX));
+  }
+  return kernels::launch_paged_topk(params, plan, stream);
+}
+
 std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(const at::Tensor& q ASTR_ATTENTION_PARAMS,
                                                         bool return_lse) {
   const AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
@@ -166,7 +201,9 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(const at::Tensor& q ASTR
   const bool invariant = batch_invariant_enabled();
   const int64_t new_tokens_bound = std::min<int64_t>(args.max_query_len, INT32_MAX);
   kernels::LaunchStatus status;
-  if (args.decode()) {
+  if (args.topk_indices) {
+    status = launch_topk(base, shape, args, device, tuning, invariant, stream);
+  } else if (args.decode()) {
     status = launch_decode(base, shape, args, device, tuning, invariant, 0, stream);
   } else if (kernels::prefill_runs_as_verify(new_tokens_bound, tuning, invariant)) {
     status = launch_decode(base, shape, args, device, tuning, invariant,
@@ -178,9 +215,9 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(const at::Tensor& q ASTR
   return {out, lse};
 }
 
-// What the plan picks for this call, as "decode/split x13" or "prefill/warp_specialized" (the
-// kernel table's words, kernels::describe_plan); the plan's error where no form can run it.
-// Computes the plan only: no allocation, no launch.
+// What the plan picks for this call, as "decode/split x13", "prefill/warp_specialized" or
+// "topk/split x4" (the kernel table's words, kernels::describe_plan); the plan's error where no
+// form can run it. Computes the plan only: no allocation, no launch.
 std::string cuda_paged_plan(const at::Tensor& q ASTR_ATTENTION_PARAMS) {
   const AttentionArgs args(q ASTR_ATTENTION_FORWARDED, /*return_lse=*/false);
   const PagedCallShape shape = check_cuda_paged_call(args);
@@ -188,6 +225,10 @@ std::string cuda_paged_plan(const at::Tensor& q ASTR_ATTENTION_PARAMS) {
   const kernels::DeviceFacts device = kernels::current_device_facts();
   const kernels::KernelTuning tuning = current_kernel_tuning();
   const bool invariant = batch_invariant_enabled();
+  if (args.topk_indices) {
+    const kernels::TopkPlan plan = plan_topk(shape, args, device, tuning, invariant);
+    return plan.error.empty() ? "topk/" + kernels::describe_plan(plan) : plan.error;
+  }
   const int64_t new_tokens_bound = std::min<int64_t>(args.max_query_len, INT32_MAX);
   const bool verify =
       !args.decode() && kernels::prefill_runs_as_verify(new_tokens_bound, tuning, invariant);

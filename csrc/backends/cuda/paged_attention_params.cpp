@@ -49,6 +49,11 @@ kernels::PagedAttentionParams paged_attention_params(const AttentionArgs& a,
     p.tree_mask_stride_token = a.tree_mask->stride(0);
     p.tree_mask_width = clamp_to_int(a.tree_mask->size(1));
   }
+  if (a.topk_indices) {
+    p.topk_indices = a.topk_indices->data_ptr<int32_t>();
+    p.topk_stride_token = a.topk_indices->stride(0);
+    p.topk = clamp_to_int(a.topk_indices->size(1));
+  }
   p.window_left = static_cast<int>(a.window_left);
   p.softcap = static_cast<float>(a.softcap_value());
   p.sinks = a.sinks ? a.sinks->data_ptr<float>() : nullptr;
@@ -78,6 +83,17 @@ kernels::DecodeShape decode_shape(const PagedCallShape& shape, const AttentionAr
   decode.window_left = static_cast<int>(args.window_left);
   decode.kv_bytes = shape.fp8 ? 1 : 2;
   return decode;
+}
+
+kernels::TopkShape topk_shape(const PagedCallShape& shape, const AttentionArgs& args) {
+  kernels::TopkShape topk;
+  topk.num_tokens = shape.num_tokens;
+  topk.num_q_heads = static_cast<int>(shape.num_q_heads);
+  topk.num_kv_heads = static_cast<int>(shape.num_kv_heads);
+  topk.head_dim = static_cast<int>(shape.head_dim);
+  topk.topk = args.topk_indices ? args.topk_indices->size(1) : 0;
+  topk.kv_bytes = shape.fp8 ? 1 : 2;
+  return topk;
 }
 
 kernels::PrefillKvFootprint prefill_kv_footprint(const PagedCallShape& shape,

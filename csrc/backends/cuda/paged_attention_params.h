@@ -31,6 +31,9 @@ void point_at_pools(Params& params, const at::Tensor& k_pool, const at::Tensor& 
 
 kernels::DecodeShape decode_shape(const PagedCallShape& shape, const AttentionArgs& args);
 
+// A top-k call's shape (topk_indices given; its mode decides nothing), batch_invariant unset.
+kernels::TopkShape topk_shape(const PagedCallShape& shape, const AttentionArgs& args);
+
 // The K/V one (sequence, kv head) pair may read, for the prefill's block order; the element the
 // kernel reads is q's dtype (an FP8 cache is dequantized to it first, or read at 2 bytes' cost).
 kernels::PrefillKvFootprint prefill_kv_footprint(const PagedCallShape& shape,

@@ -16,8 +16,9 @@
 namespace astr::kernels {
 
 // Head dims with kernels, and which optional forms each one compiles. Every head dim has the
-// decode (blocks of 4 warps, splits merged by the merge kernel or in a thread-block cluster) and
-// the mma.sync prefill; the forms measured to pay at D = 128 are compiled there only:
+// decode (blocks of 4 warps, splits merged by the merge kernel or in a thread-block cluster), the
+// mma.sync prefill and the top-k kernels (topk_attention_kernel.cuh); the forms measured to pay at
+// D = 128 are compiled there only:
 //   decode_block_pairs   2 splits as one block of two groups of warps (traits.h, kGroups)
 //   decode_eight_warps   1 split as one block of 8 warps per SM (traits.h, kWarps)
 //   decode_persistent    one block per SM taking items in turn (decode_persistent_kernel.cuh)

@@ -28,6 +28,8 @@ struct PagedKernelArgs {
   bool early_start;                // persistent decode: a dependent launch of the counter's reset
   float* partial_out;              // split decode: [num_splits, T, Hq, D] fp32
   float* partial_lse;              // split decode: [num_splits, T, Hq] fp32 (log2 domain)
+  int32_t* listed_positions;       // top-k: [T, topk], PagedTopkParams::listed_positions
+  int topk_table_slots;            // top-k: the listing pass' hash table (TopkPlan::table_slots)
   float scale_log2;                // scale * log2(e): softmax runs on exp2
   bool pool_boxes;                 // prefill: the plan lets a kernel copy K/V by TMA boxes
   int panel_pairs;                 // prefill: the block order's panels (PrefillPlan; 0: one)
@@ -47,6 +49,12 @@ LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cuda
 // The persistent decode (decode_persistent_kernel.cuh), on a grid of args.persistent_blocks.
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream);
+
+// Sparse top-k attention, decode or prefill (topk_attention_kernel.cuh): the listing pass, the
+// attention kernel over the listed keys on args.num_splits splits, the merge kernel after more than
+// one, and for a prefill the unplaced rows' poison.
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream);
 
 // Prefill on mma.sync (prefill_mma_sync_kernel.cuh), sm_80 and newer.
 template <int D, typename T, typename KV>

@@ -190,6 +190,41 @@ LaunchStatus launch_paged_verify(const PagedVerifyParams& params, const DecodePl
   return launch_decode_forms(params, plan, params.query_start_loc, params.max_query_len, stream);
 }
 
+LaunchStatus launch_paged_topk(const PagedTopkParams& params, const TopkPlan& plan,
+                               cudaStream_t stream) {
+  LaunchStatus status = check_common(params);
+  if (!status.ok()) return status;
+  if (!plan.error.empty()) return {plan.error};
+  if (plan.num_splits < 1 || plan.num_splits > 65535) return {"num_splits out of range"};
+  if (plan.split_tiles < 0) return {"split_tiles must be >= 0"};
+  if (params.topk_indices == nullptr || params.topk < 0) return {"top-k: needs topk_indices"};
+  if (params.query_start_loc == nullptr && params.num_tokens != params.num_seqs)
+    return {"decode needs one query token per sequence"};
+  if (plan.workspace_floats > 0 && params.workspace == nullptr)
+    return {"top-k with num_splits > 1 needs a workspace"};
+  if (params.num_tokens == 0 || params.num_seqs == 0) return {};
+  if (params.query_start_loc != nullptr && params.max_query_len <= 0) return {};
+  PagedKernelArgs args = kernel_args(params);
+  args.query_start_loc = params.query_start_loc;
+  args.max_query_len = params.max_query_len;
+  args.num_splits = plan.num_splits;
+  args.split_tiles = plan.split_tiles;
+  args.listed_positions = params.listed_positions;
+  args.topk_table_slots = plan.table_slots;
+  const size_t rows = (size_t)plan.num_splits * params.num_tokens * params.num_q_heads;
+  args.partial_out = params.workspace;
+  args.partial_lse =
+      params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
+  status = {"paged top-k: head_dim " + std::to_string(params.head_dim) + " is not built"};
+  for_head_dim(params.head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
+      return run_paged_topk<D, decltype(t), decltype(kv)>(args, stream);
+    });
+  });
+  return status;
+}
+
 LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const PrefillPlan& plan,
                                   cudaStream_t stream) {
   LaunchStatus status = check_common(params);

@@ -25,4 +25,9 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
 LaunchStatus launch_paged_verify(const PagedVerifyParams& params, const DecodePlan& plan,
                                  cudaStream_t stream);
 
+// Sparse top-k attention, decode or prefill (params.query_start_loc null: a decode); CUDA-graph
+// safe as a decode.
+LaunchStatus launch_paged_topk(const PagedTopkParams& params, const TopkPlan& plan,
+                               cudaStream_t stream);
+
 }  // namespace astr::kernels

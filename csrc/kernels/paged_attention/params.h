@@ -68,6 +68,15 @@ struct PagedAttentionParams {
   int64_t tree_mask_stride_token;  // elements between tree_mask[t] and tree_mask[t + 1]
   int tree_mask_width;             // columns, >= max_query_len; j >= width is not visible
 
+  // Sparse top-k attention: row t sees only the kv positions that topk_indices[t] lists
+  // (positions within its sequence, shared by all heads; -1 lists nothing, a position listed twice
+  // counts once) and that the rules above also allow. An entry below -1 or past its sequence makes
+  // the token's rows NaN (a decode padding slot, length 0, stays zeros). Run by the top-k kernels
+  // alone (topk_attention_kernel.cuh), decode or prefill.
+  const int32_t* topk_indices;  // [T, topk] int32 or null; last dim contiguous
+  int64_t topk_stride_token;    // elements between topk_indices[t] and topk_indices[t + 1]
+  int topk;                     // entries per row
+
   // Variants (variant.cuh).
   int window_left;     // >= 0: a row at position p sees p - window_left .. p; -1: no window
   float softcap;       // > 0: scores become softcap * tanh(s / softcap); 0: off
@@ -100,6 +109,19 @@ struct PagedPrefillParams : PagedAttentionParams {
 struct PagedDecodeParams : PagedAttentionParams {
   int* persistent_claim_counter;  // persistent decode: one int, zeroed by the launch
   float* workspace;               // plan.workspace_floats floats, or null when the plan needs none
+};
+
+// Sparse top-k attention, decode or prefill (plan.h: TopkPlan): every query token is its own work
+// item, its kv positions those its topk_indices row lists.
+struct PagedTopkParams : PagedAttentionParams {
+  const int32_t* query_start_loc;  // prefill: [B + 1] int32 prefix sums; null in decode (token b
+                                   // is sequence b's one new token)
+  int max_query_len;               // prefill: host upper bound of new tokens per sequence
+  // [T, topk] int32 scratch: each row's entries as the attention kernel reads them (the listing
+  // pass writes them): the position, or -1 (unused, masked, or a repeat), or -2 in every entry of
+  // a row that bad metadata poisons.
+  int32_t* listed_positions;
+  float* workspace;  // plan.workspace_floats floats, or null when the plan needs none
 };
 
 // Verify: a prefill-mode call of a few new tokens per sequence (speculative decoding's drafts)

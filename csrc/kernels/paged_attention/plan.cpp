@@ -93,6 +93,12 @@ std::string describe_plan(const DecodePlan& plan) {
   return form;
 }
 
+std::string describe_plan(const TopkPlan& plan) {
+  std::string form = "split x" + std::to_string(plan.num_splits);
+  if (plan.split_tiles > 0) form += " of " + std::to_string(plan.split_tiles) + " tiles";
+  return form;
+}
+
 std::string describe_plan(const PrefillPlan& plan, bool fp8_cache) {
   std::string form = prefill_kernel_name(plan.kernel);
   if (fp8_cache) form += plan.dequantize_fp8_first ? " on dequantized pages" : " reading FP8";
@@ -377,6 +383,50 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
     choose(DecodeForm::kPersistent, 1);
   } else {
     choose(DecodeForm::kSplit, splits);
+  }
+  return plan;
+}
+
+TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
+                         const KernelTuning& tuning) {
+  TopkPlan plan;
+  if (paged_head_dim_forms(shape.head_dim) == nullptr) {
+    plan.error = unsupported_head_dim_message(shape.head_dim);
+    return plan;
+  }
+  if (shape.kv_bytes != 1 && shape.kv_bytes != 2) {
+    plan.error = "top-k: a cache of 1- or 2-byte elements";
+    return plan;
+  }
+  plan.table_slots = topk_table_slots(shape.topk);
+  if (shape.topk < 0 || plan.table_slots == 0) {
+    plan.error = "topk_indices: at most " + std::to_string(kTopkMaxEntries) +
+                 " entries per query row in the cuda kernels, got " + std::to_string(shape.topk);
+    return plan;
+  }
+  if (shape.num_kv_heads <= 0 || shape.num_tokens * shape.num_kv_heads > INT32_MAX) {
+    plan.error = "top-k: tokens x kv heads must be 1 to 2^31 - 1";
+    return plan;
+  }
+  const DecodeFootprint footprint = decode_footprint(shape.head_dim, shape.kv_bytes);
+  const int64_t items =
+      decode_items(static_cast<int>(std::min<int64_t>(shape.num_tokens, INT32_MAX)),
+                   shape.num_q_heads, shape.num_kv_heads);
+  const int64_t tiles = (shape.topk + footprint.tile_positions - 1) / footprint.tile_positions;
+  if (shape.batch_invariant) {
+    plan.split_tiles =
+        tuning.invariant_split_tiles > 0 ? tuning.invariant_split_tiles : kInvariantSplitTiles;
+    plan.num_splits = invariant_decode_splits(tiles, plan.split_tiles);
+  } else if (tuning.decode_splits > 0) {
+    plan.num_splits = tuning.decode_splits;
+  } else {
+    const int64_t slots =
+        static_cast<int64_t>(std::max(1, device.num_sms)) * std::max(1, footprint.blocks_per_sm);
+    plan.num_splits = decode_splits_filling_one_wave(items, slots, tiles);
+  }
+  if (plan.num_splits > 1) {
+    plan.workspace_floats = static_cast<size_t>(plan.num_splits) * shape.num_tokens *
+                            shape.num_q_heads * (shape.head_dim + 1);
   }
   return plan;
 }

@@ -54,7 +54,8 @@ enum class VerifyForm : int { kAuto, kAlways, kNever };
 //   decode_form=auto|split|cluster|block_pairs|eight_warps|persistent  a preference: where the form
 //                                     cannot run (head dim, GPU), the automatic choice runs
 //   decode_splits=N                  N splits (1..65535) instead of the rule's (plan below); with
-//                                    the automatic form, 2 splits merge as the rule would merge 2
+//                                    the automatic form, 2 splits merge as the rule would merge 2;
+//                                    a top-k call's splits too (TopkPlan)
 //   persistent_blocks=N              the persistent decode's grid (at most the items), for tests
 //                                    that give each block several items
 //   prefill_kernel=auto|warp_specialized|wgmma|mma_sync  a preference: that kernel where it
@@ -161,6 +162,48 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
                                std::optional<int64_t> fp8_scratch_bytes = std::nullopt,
                                const PrefillKvFootprint& kv = {}, bool batch_invariant = false);
 
+// Sparse top-k attention (a call with topk_indices, decode or prefill: the top-k kernels run it
+// whatever its mode). Every query token is its own work item (its keys differ from its
+// neighbours'): (token, kv head, row tile of 16 of the group's q heads) triples, as a decode's
+// items with one token per sequence. A listing pass first resolves each token's entries (repeats,
+// masked entries and bad ones: PagedTopkParams::listed_positions) in a hash table in shared memory
+// of table_slots slots; the attention kernel then reads the listed keys in tiles of the decode's
+// size, split over the topk list by the decode's one-wave rule and merged by its merge kernel.
+struct TopkShape {
+  int64_t num_tokens = 0;  // T: the query rows' tokens
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int64_t topk = 0;  // entries per row
+  int kv_bytes = 2;  // the cache's element size: 2, or 1 for FP8
+  bool batch_invariant = false;
+};
+struct TopkPlan {
+  int num_splits = 1;
+  // 0: split s takes the entry tiles s, s + S, ...; > 0 (batch-invariant mode): split_tiles
+  // consecutive tiles from tile s * split_tiles, the last split the rest (DecodePlan's meaning).
+  int split_tiles = 0;
+  size_t workspace_floats = 0;  // num_splits > 1: partial outputs and their lse
+  int table_slots = 0;          // the listing pass' hash table: a power of two above topk
+  std::string error;
+};
+// The most entries a row may list: the listing pass' table (kTopkMaxTableSlots slots of 8 bytes,
+// 128 KiB of shared memory) holds more slots than entries.
+inline constexpr int kTopkMaxTableSlots = 16384;
+inline constexpr int64_t kTopkMaxEntries = kTopkMaxTableSlots - 1;
+// Slots of the listing pass' table: twice the entries (short probes), rounded up to a power of
+// two, at least 32, at most kTopkMaxTableSlots; 0 for more entries than kTopkMaxEntries.
+constexpr int topk_table_slots(int64_t topk) {
+  if (topk > kTopkMaxEntries) return 0;
+  int slots = 32;
+  while (slots < 2 * topk && slots < kTopkMaxTableSlots) slots *= 2;
+  return slots;
+}
+// The split rule of a decode (decode_splits_filling_one_wave over the entry tiles; decode_splits=N
+// forces N; batch-invariant mode: kInvariantSplitTiles consecutive tiles a split).
+TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
+                         const KernelTuning& tuning);
+
 // Whether a prefill-mode call runs as a verify (plan_paged_decode then plans it, with the call's
 // max_query_len as DecodeShape::query_len) rather than on a prefill kernel.
 bool prefill_runs_as_verify(int64_t max_query_len, const KernelTuning& tuning,
@@ -173,6 +216,8 @@ const char* prefill_kernel_name(PrefillKernel kernel);
 // profiler ranges name (astr::cuda_paged_plan).
 std::string describe_plan(const DecodePlan& plan);
 std::string describe_plan(const PrefillPlan& plan, bool fp8_cache);
+// "split x4" (and "... of 16 tiles" in batch-invariant mode).
+std::string describe_plan(const TopkPlan& plan);
 const char* fp8_prefill_name(Fp8Prefill mode);
 const char* prefill_loads_name(PrefillLoads loads);
 const char* verify_form_name(VerifyForm form);
