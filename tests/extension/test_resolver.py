@@ -39,8 +39,12 @@ BACKENDS = ("cuda", "flash", "torch_native")
 # torch.ops.astr.selected_backend()'s sources (csrc/dispatch/resolver.h: SelectionSource).
 CONTEXT, ENVIRONMENT, DEFAULT = 2, 3, 4
 NO_GPU = not torch.cuda.is_available()
-# The head dims the cuda kernels were built for, as the library reports them (config.h's list).
-CUDA_HEAD_DIMS = ", ".join(str(d) for d in ops.BUILD_INFO["paged_kernels"]["head_dims"])
+# The head dims the cuda kernels were built for, as the library reports them (config.h's list:
+# "192/128" for q/k head dim 192 with v head dim 128).
+CUDA_HEAD_DIMS = ", ".join(
+    str(d) if d == dv else f"{d}/{dv}"
+    for d, dv in ops.BUILD_INFO["paged_kernels"]["head_dim_pairs"]
+)
 
 
 @pytest.fixture(autouse=True)

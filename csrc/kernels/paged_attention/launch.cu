@@ -94,6 +94,7 @@ LaunchStatus check_common(const PagedAttentionParams& p) {
 PagedKernelArgs kernel_args(const PagedAttentionParams& p) {
   PagedKernelArgs args{};
   args.base = p;
+  if (args.base.head_dim_v == 0) args.base.head_dim_v = p.head_dim;  // params of equal dims
   args.num_splits = 1;
   args.scale_log2 = p.scale * kLog2e;
   return args;
@@ -157,7 +158,7 @@ LaunchStatus launch_decode_forms(const PagedDecodeParams& params, const DecodePl
   args.partial_out = params.workspace;
   // The partial outputs are rows of the output's (v's) head dim.
   args.partial_lse =
-      params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim_v;
+      params.workspace == nullptr ? nullptr : params.workspace + rows * args.base.head_dim_v;
   status = {"paged decode: " + unsupported_head_dim_message(params.head_dim, params.head_dim_v)};
   for_head_dim(params.head_dim, params.head_dim_v, [&](auto d, auto dv) {
     constexpr int D = decltype(d)::value;

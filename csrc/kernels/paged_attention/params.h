@@ -84,7 +84,7 @@ struct PagedAttentionParams {
   int num_q_heads;     // Hq
   int num_kv_heads;    // Hkv; Hq % Hkv == 0
   int head_dim;        // D, of q and k
-  int head_dim_v;      // of v and the output (D but for config.h's rows of their own)
+  int head_dim_v;      // of v and the output (D but for config.h's rows of their own; 0: D)
   int log2_page_size;  // log2(S)
   bool is_causal;
   float scale;  // softmax scale applied to q . k
