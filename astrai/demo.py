@@ -126,7 +126,7 @@ class Demo:
                 local_files_only=True,
             )
             return model.to(self.device).eval()
-        if self.on_gpu:  # head_dim 128: astrai's cuda kernels serve 64, 96, 128 and 256
+        if self.on_gpu:  # head_dim 128: astrai's cuda kernels serve 64, 96, 128, 256 and 512
             shape = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4)
             shape.update(head_dim=128, num_hidden_layers=8, intermediate_size=5632)
             shape.update(vocab_size=8192)

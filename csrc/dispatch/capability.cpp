@@ -90,14 +90,17 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
     reasons.push_back(std::string("dtype ") + scalar_type_name(call.dtype) +
                       " not supported (supported: float16, bfloat16)");
   }
-  // The head dims the kernels were built for: config.h's list.
-  if (astr::kernels::paged_head_dim_forms(call.head_dim) == nullptr) {
-    reasons.push_back(astr::kernels::unsupported_head_dim_message(call.head_dim));
-  }
-  if (call.head_dim_v != call.head_dim) {
-    reasons.push_back("v head_dim " + std::to_string(call.head_dim_v) +
-                      " differs from q/k head_dim " + std::to_string(call.head_dim) +
-                      " (the kernels take equal q/k and v head dims only)");
+  // The (q/k, v) head-dim pairs the kernels were built for: config.h's list.
+  const astr::kernels::HeadDimForms* forms =
+      astr::kernels::paged_head_dim_forms(call.head_dim, call.head_dim_v);
+  if (forms == nullptr) {
+    reasons.push_back(astr::kernels::unsupported_head_dim_message(call.head_dim, call.head_dim_v));
+  } else if (call.device == DeviceKind::kCUDA && call.arch >= kCudaMinArch &&
+             call.arch < astr::kernels::paged_head_dim_min_arch(*forms)) {
+    reasons.push_back("head_dim " + std::to_string(call.head_dim) + " needs " +
+                      arch_string(astr::kernels::paged_head_dim_min_arch(*forms)) +
+                      " or newer (its decode block's shared memory; got " + arch_string(call.arch) +
+                      ")");
   }
   if (call.has_kv_cache && !is_power_of_two(call.page_size)) {
     reasons.push_back("page_size " + std::to_string(call.page_size) +
@@ -111,6 +114,9 @@ void cuda_rules(const CallDescription& call, const BackendStatus& status, Checks
   }
   if (call.needs_grad) reasons.push_back("has no backward (inputs require grad)");
   if (!call.cuda_layout.empty()) reasons.push_back(call.cuda_layout);
+  if (call.topk && forms != nullptr && !forms->topk) {
+    reasons.push_back(astr::kernels::topk_head_dim_message(*forms));
+  }
   // The top-k kernels' listing pass holds a row's entries in a table in shared memory (plan.h).
   if (call.topk && call.topk_entries > astr::kernels::kTopkMaxEntries) {
     reasons.push_back("topk_indices: " + std::to_string(call.topk_entries) +

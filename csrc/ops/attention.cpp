@@ -165,12 +165,14 @@ std::string explain(const at::Tensor& q ASTR_ATTENTION_PARAMS, bool return_lse) 
 std::string check_backend(c10::string_view backend, const at::Tensor& q,
                           const std::optional<at::Tensor>& k_cache,
                           const std::optional<at::Tensor>& attn_mask, bool is_causal,
-                          std::optional<c10::string_view> mode, bool placement) {
+                          std::optional<c10::string_view> mode, bool placement,
+                          const std::optional<at::Tensor>& v_cache) {
   const std::string name(backend.data(), backend.size());
   const auto parsed = dispatch::parse_backend(name);
   ASTR_CHECK_VALUE(parsed.has_value(), "backend: unknown attention backend '", name,
                    "' (valid: ", dispatch::valid_backend_names(), ")");
-  const CallDescription call = describe_form(q, k_cache, attn_mask, is_causal, parse_mode(mode));
+  const CallDescription call =
+      describe_form(q, k_cache, attn_mask, is_causal, parse_mode(mode), v_cache);
   const auto reasons =
       dispatch::rejection_reasons(*parsed, call, BackendStatusTable::instance().get(*parsed),
                                   placement ? dispatch::Checks::kAll : dispatch::Checks::kForm);

@@ -86,10 +86,11 @@ dispatch::CallDescription validate_and_describe(const AttentionArgs& args);
 void validate_variant_args(const AttentionArgs& args, dispatch::Backend backend);
 
 // The resolver's description from q alone (check_backend): kv heads assumed equal to q heads
-// unless a cache says otherwise.
+// unless a cache says otherwise, v's head dim equal to q's unless v_cache says otherwise.
 dispatch::CallDescription describe_form(const at::Tensor& q,
                                         const std::optional<at::Tensor>& k_cache,
                                         const std::optional<at::Tensor>& attn_mask, bool is_causal,
-                                        dispatch::Mode mode);
+                                        dispatch::Mode mode,
+                                        const std::optional<at::Tensor>& v_cache = std::nullopt);
 
 }  // namespace astr

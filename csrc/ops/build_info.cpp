@@ -52,24 +52,27 @@ const bool cuda_status_recorded = [] {
 namespace {
 
 // What the cuda kernels were built for (config.h's list, less what a development build left
-// out), for `info` and the tests: {"head_dims": [...], "q_dtypes": [...], "forms": {D: [...]}}.
+// out), for `info` and the tests: {"head_dims": [...], "head_dim_pairs": [[D, Dv], ...],
+// "q_dtypes": [...], "forms": {"D" or "D/Dv": [...]}}. head_dims lists the rows of equal q/k and
+// v head dims; head_dim_pairs every row.
 std::string kernel_list_json() {
   using astr::kernels::HeadDimForms;
-  std::string dims, forms;
+  std::string dims, pairs, forms;
   for (const HeadDimForms& row : astr::kernels::kPagedHeadDims) {
     if (!astr::kernels::paged_head_dim_built(row.head_dim)) continue;
-    const std::string d = std::to_string(row.head_dim);
-    if (!dims.empty()) {
-      dims += ", ";
-      forms += ", ";
-    }
-    dims += d;
+    const std::string d = astr::kernels::paged_head_dim_text(row);  // "128", "192/128"
+    if (row.head_dim == row.head_dim_v)
+      dims += (dims.empty() ? "" : ", ") + std::to_string(row.head_dim);
+    pairs += std::string(pairs.empty() ? "" : ", ") + "[" + std::to_string(row.head_dim) + ", " +
+             std::to_string(row.head_dim_v) + "]";
+    if (!forms.empty()) forms += ", ";
     std::string list = "\"decode_split\", \"decode_cluster\", \"prefill_mma_sync\"";
     if (row.decode_block_pairs) list += ", \"decode_block_pairs\"";
     if (row.decode_eight_warps) list += ", \"decode_eight_warps\"";
     if (row.decode_persistent) list += ", \"decode_persistent\"";
     if (row.prefill_wgmma) list += ", \"prefill_wgmma\"";
     if (row.prefill_warp_specialized) list += ", \"prefill_warp_specialized\"";
+    if (row.topk) list += ", \"topk\"";
     forms += "\"" + d + "\": [" + list + "]";
   }
   std::string q_dtypes;
@@ -77,8 +80,8 @@ std::string kernel_list_json() {
   q_dtypes += std::string(q_dtypes.empty() ? "" : ", ") + "\"" + name + "\"";
   ASTR_PAGED_Q_TYPES(ASTR_Q_DTYPE_NAME)
 #undef ASTR_Q_DTYPE_NAME
-  return "{\"head_dims\": [" + dims + "], \"q_dtypes\": [" + q_dtypes + "], \"forms\": {" + forms +
-         "}}";
+  return "{\"head_dims\": [" + dims + "], \"head_dim_pairs\": [" + pairs + "], \"q_dtypes\": [" +
+         q_dtypes + "], \"forms\": {" + forms + "}}";
 }
 
 // Which backends implement each variant (call_description.h: ASTR_VARIANTS), for `info`:

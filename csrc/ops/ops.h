@@ -44,7 +44,8 @@ void check_trace_state(const at::Tensor& q, c10::string_view backend, int64_t ba
 std::string check_backend(c10::string_view backend, const at::Tensor& q,
                           const std::optional<at::Tensor>& k_cache,  // [P,S,Hkv,D]
                           const std::optional<at::Tensor>& attn_mask, bool is_causal,
-                          std::optional<c10::string_view> mode, bool placement);
+                          std::optional<c10::string_view> mode, bool placement,
+                          const std::optional<at::Tensor>& v_cache);  // [P,S,Hkv,Dv]
 
 // Writes k/v [T,Hkv,D] into the pools [P,S,Hkv,D] at slot_mapping [T] (int32, page*S+offset;
 // negative: skip). CPU kernel here; CUDA kernel in csrc/backends/append_kv_cuda.cu.

@@ -85,7 +85,7 @@ TORCH_LIBRARY(astr, m) {
   // Why a backend cannot run a call of this form ("" when it can).
   m.def(
       "check_backend(str backend, Tensor q, Tensor? k_cache, Tensor? attn_mask, bool is_causal, "
-      "str? mode, bool placement) -> str",
+      "str? mode, bool placement, Tensor? v_cache=None) -> str",
       &astr::check_backend);
 
   // Latent attention (DeepSeek-family MLA) over a paged latent cache; picks the backend like

@@ -619,8 +619,8 @@ CallDescription validate_and_describe(const AttentionArgs& a) {
 }
 
 CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tensor>& k_cache,
-                              const std::optional<at::Tensor>& attn_mask, bool is_causal,
-                              Mode mode) {
+                              const std::optional<at::Tensor>& attn_mask, bool is_causal, Mode mode,
+                              const std::optional<at::Tensor>& v_cache) {
   ASTR_CHECK(q.dim() >= 1, "q: expected [..., q_heads, head_dim], got a 0-d tensor");
   CallDescription call;
   call.dtype = scalar_type_of(q.scalar_type());
@@ -639,7 +639,12 @@ CallDescription describe_form(const at::Tensor& q, const std::optional<at::Tenso
                shape_string(*k_cache));
     call.num_kv_heads = static_cast<int>(k_cache->size(2));
     call.page_size = static_cast<int>(k_cache->size(1));
-    call.cuda_layout = cuda_layout_of(q, *k_cache, nullptr);
+    ASTR_CHECK(!v_cache || v_cache->dim() == 4,
+               "v_cache: expected a 4-D tensor [num_pages, page_size, kv_heads, head_dim], got "
+               "shape ",
+               shape_string(*v_cache));
+    if (v_cache) call.head_dim_v = static_cast<int>(v_cache->size(3));
+    call.cuda_layout = cuda_layout_of(q, *k_cache, v_cache ? &*v_cache : nullptr);
   }
   call.mask = mask_form(attn_mask);
   call.mode = mode;

@@ -1,9 +1,9 @@
 // csrc/README.md's tables "Which kernel runs a call" (the default mode, and batch-invariant
 // mode), walked row by row through the plan: the tables are what the plan does, or this test
 // fails. Rows name a GPU (an H100 for sm_90 with a library built for sm_90a, an A100 for sm_80),
-// head dims, the call kind (prefill, decode, or verify: a prefill-mode call of Q new tokens per
-// sequence), the cache, a decode or verify batch (Hq 32 and Hkv 8 unless the row says otherwise)
-// and the form the plan picks.
+// head dims ("128", or "192/128" for q/k head dim 192 and v head dim 128), the call kind (prefill,
+// decode, or verify: a prefill-mode call of Q new tokens per sequence), the cache, a decode or
+// verify batch (Hq 32 and Hkv 8 unless the row says otherwise) and the form the plan picks.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -98,13 +98,24 @@ DeviceFacts device_of(const std::string& gpu) {
   return facts;
 }
 
+// A head-dim cell's entry: "128" (q/k and v), or "192/128" (q/k, then v).
+struct HeadDims {
+  int qk, v;
+};
+HeadDims parse_head_dims(const std::string& text) {
+  const size_t slash = text.find('/');
+  if (slash == std::string::npos) return {std::stoi(text), std::stoi(text)};
+  return {std::stoi(text.substr(0, slash)), std::stoi(text.substr(slash + 1))};
+}
+
 // "B=16 L=4096 Hkv=32 Q=8": L is the block table's width in positions, Q a verify's new tokens
 // per sequence (its max_query_len).
-DecodeShape decode_shape(const std::string& batch, int head_dim, bool fp8) {
+DecodeShape decode_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
   DecodeShape shape;
   shape.num_q_heads = 32;
   shape.num_kv_heads = 8;
-  shape.head_dim = head_dim;
+  shape.head_dim = head_dims.qk;
+  shape.head_dim_v = head_dims.v;
   shape.kv_bytes = fp8 ? 1 : 2;
   for (const std::string& item : split(batch, ' ')) {
     const size_t equals = item.find('=');
@@ -128,10 +139,10 @@ std::string decode_form(const DecodePlan& plan) {
 }
 
 // What the plan picks, written as the table's form column writes it.
-std::string planned_form(const Row& row, int head_dim) {
+std::string planned_form(const Row& row, HeadDims head_dims) {
   const DeviceFacts device = device_of(row.gpu);
   const bool fp8 = row.cache.rfind("FP8", 0) == 0;
-  DecodeShape shape = decode_shape(row.batch, head_dim, fp8);
+  DecodeShape shape = decode_shape(row.batch, head_dims, fp8);
   shape.batch_invariant = row.batch_invariant;
   if (row.call == "decode") {
     EXPECT_EQ(shape.query_len, 0) << "a decode has one token per sequence: " << row.text;
@@ -149,8 +160,8 @@ std::string planned_form(const Row& row, int head_dim) {
     const bool past_limit = row.cache.find("past the scratch limit") != std::string::npos;
     scratch = past_limit ? kFp8ScratchLimitBytes + 1 : kFp8ScratchLimitBytes;
   }
-  const PrefillPlan plan = astr::kernels::plan_paged_prefill(head_dim, device, KernelTuning{},
-                                                             scratch, {}, row.batch_invariant);
+  const PrefillPlan plan = astr::kernels::plan_paged_prefill(
+      head_dims.qk, device, KernelTuning{}, scratch, {}, row.batch_invariant, head_dims.v);
   if (!plan.error.empty()) return plan.error;
   return astr::kernels::describe_plan(plan, fp8);
 }
@@ -163,7 +174,7 @@ TEST(KernelTable, EveryRowIsWhatThePlanPicks) {
                                << ASTR_CSRC_README;
     for (const Row& row : rows) {
       for (const std::string& head_dim : split(row.head_dims, ',')) {
-        EXPECT_EQ(planned_form(row, std::stoi(head_dim)), row.form)
+        EXPECT_EQ(planned_form(row, parse_head_dims(head_dim)), row.form)
             << "head dim " << head_dim << " of the row\n  " << row.text;
       }
     }
@@ -179,10 +190,13 @@ TEST(KernelTable, CoversEveryHeadDimAndCallKind) {
       for (const std::string call : {"prefill", "decode", "verify"}) {
         bool found = false;
         for (const Row& row : rows) {
-          for (const std::string& head_dim : split(row.head_dims, ','))
-            found |= row.call == call && std::stoi(head_dim) == forms.head_dim;
+          for (const std::string& head_dim : split(row.head_dims, ',')) {
+            const HeadDims dims = parse_head_dims(head_dim);
+            found |= row.call == call && dims.qk == forms.head_dim && dims.v == forms.head_dim_v;
+          }
         }
-        EXPECT_TRUE(found) << call << " at head dim " << forms.head_dim << " has no row"
+        EXPECT_TRUE(found) << call << " at head dims " << forms.head_dim << "/" << forms.head_dim_v
+                           << " has no row"
                            << (batch_invariant ? " in the batch-invariant table" : "");
       }
     }

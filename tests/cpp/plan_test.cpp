@@ -254,11 +254,67 @@ TEST(DecodePlan, EveryBuiltHeadDimHasAPlan) {
   for (const auto& row : astr::kernels::kPagedHeadDims) {
     if (!astr::kernels::paged_head_dim_built(row.head_dim)) continue;
     for (int batch : {1, 16, 64, 128}) {
-      const DecodePlan p = plan(decode(batch, 4096, row.head_dim));
-      EXPECT_EQ(p.error, "") << row.head_dim;
+      DecodeShape shape = decode(batch, 4096, row.head_dim);
+      shape.head_dim_v = row.head_dim_v;
+      const DecodePlan p = plan(shape);
+      EXPECT_EQ(p.error, "") << row.head_dim << "/" << row.head_dim_v;
       EXPECT_GE(p.num_splits, 1);
     }
   }
+}
+
+// A row's pair, not each dim alone: (192, 128) has kernels, (192, 192) and (128, 192) none.
+TEST(DecodePlan, HeadDimsArePairsOfTheList) {
+  if (!astr::kernels::paged_head_dim_built(192)) GTEST_SKIP() << "a development build";
+  DecodeShape shape = decode(16, 4096, 192);
+  shape.head_dim_v = 128;
+  EXPECT_EQ(plan(shape).error, "");
+  shape.head_dim_v = 0;  // equal: 192 / 192
+  EXPECT_EQ(plan(shape).error, astr::kernels::unsupported_head_dim_message(192));
+  shape.head_dim = 128;
+  shape.head_dim_v = 192;
+  EXPECT_EQ(plan(shape).error, astr::kernels::unsupported_head_dim_message(128, 192));
+  EXPECT_NE(plan(shape).error.find("with v head_dim 192 (supported: "), std::string::npos);
+}
+
+// The split workspace holds partial output rows of v's head dim (and their lse).
+TEST(DecodePlan, SplitWorkspaceRowsAreVsHeadDim) {
+  if (!astr::kernels::paged_head_dim_built(192)) GTEST_SKIP() << "a development build";
+  DecodeShape shape = decode(1, 32768, 192);
+  shape.head_dim_v = 128;
+  const DecodePlan p = plan(shape);
+  ASSERT_GT(p.num_splits, 1);
+  EXPECT_EQ(p.workspace_floats, static_cast<size_t>(p.num_splits) * 32 * (128 + 1));
+}
+
+// D = 512 runs a block per chunk of 256 v columns, so a batch fills the GPU with half the splits
+// of D = 256's rule; its blocks need sm_90's shared memory.
+TEST(DecodePlan, HeadDim512CountsItsColumnChunksAndNeedsSm90) {
+  if (!astr::kernels::paged_head_dim_built(512)) GTEST_SKIP() << "a development build";
+  const DecodePlan p512 = plan(decode(1, 32768, 512));
+  const DecodePlan p256 = plan(decode(1, 32768, 256));
+  ASSERT_EQ(p512.error, "");
+  EXPECT_EQ(p512.num_splits, (p256.num_splits + 1) / 2);
+  EXPECT_NE(plan(decode(1, 32768, 512), a100()).error.find("needs sm_90"), std::string::npos);
+  EXPECT_NE(astr::kernels::plan_paged_prefill(512, a100(), {}).error.find("needs sm_90"),
+            std::string::npos);
+}
+
+// v's head dim other than q/k's: the mma.sync prefill (no wgmma form compiled), and an FP8 cache
+// read as bytes (the dequantizing pass takes one head dim), whatever the scratch or the tuning.
+TEST(PrefillPlan, DifferentVHeadDimRunsMmaSyncReadingFp8) {
+  if (!astr::kernels::paged_head_dim_built(192)) GTEST_SKIP() << "a development build";
+  KernelTuning dequantize_first;
+  dequantize_first.fp8_prefill = astr::kernels::Fp8Prefill::kDequantizeFirst;
+  for (const KernelTuning& tuning : {KernelTuning{}, dequantize_first}) {
+    const astr::kernels::PrefillPlan p =
+        astr::kernels::plan_paged_prefill(192, h200(), tuning, int64_t{1024}, {}, false, 128);
+    EXPECT_EQ(p.error, "");
+    EXPECT_EQ(p.kernel, astr::kernels::PrefillKernel::kMmaSync);
+    EXPECT_FALSE(p.dequantize_fp8_first);
+  }
+  EXPECT_TRUE(astr::kernels::plan_paged_prefill(512, h200(), KernelTuning{}, int64_t{1024})
+                  .dequantize_fp8_first);
 }
 
 TEST(DecodePlan, AnUnsupportedHeadDimNamesWhatIsSupported) {

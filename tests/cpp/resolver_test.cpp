@@ -299,15 +299,67 @@ TEST(FlashCapability, CausalWithUnequalLengthsIsRejected) {
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kFlash, call, fa2, Checks::kAll), "top-left"));
 }
 
-TEST(CudaCapability, NamesHeadDim512AndUnequalQkAndVHeadDims) {
+// Gemma 4's global layers (512) and DeepSeek's MHA form (q/k 192, v 128) are rows of config.h:
+// cuda takes them on sm_90; a pair that is no row is named as a pair; 512 needs sm_90.
+TEST(CudaCapability, TakesHeadDim512AndQk192WithV128OnSm90) {
   BackendStatus ok{true, "", 0};
   CallDescription call = paged_decode();
-  call.head_dim = call.head_dim_v = 512;  // Gemma 4's global layers
-  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "512"));
-  call.head_dim = 192;  // DeepSeek's MHA form
-  call.head_dim_v = 128;
+  call.head_dim = call.head_dim_v = 512;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+  call.mode = Mode::kPrefill;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+  call.arch = 80;
   EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
-                       "v head_dim 128 differs from q/k head_dim 192"));
+                       "head_dim 512 needs sm_90 or newer"));
+  call = paged_decode();
+  call.head_dim = 192;
+  call.head_dim_v = 128;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+  call.arch = 80;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+  call.head_dim_v = 192;  // not a row
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       astr::kernels::unsupported_head_dim_message(192)));
+  call.head_dim = 128;
+  call.head_dim_v = 64;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       "unsupported head_dim 128 with v head_dim 64 (supported: "));
+}
+
+TEST(CudaCapability, TopkIndicesOnlyOnTheRowsWithTopkKernels) {
+  BackendStatus ok{true, "", 0};
+  CallDescription call = paged_decode();
+  call.topk = true;
+  call.topk_entries = 64;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+  call.head_dim = call.head_dim_v = 512;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
+                       "topk_indices: the cuda top-k kernels take head dims 64, 96, 128, 256 "
+                       "(got 512)"));
+  call.head_dim = 192;
+  call.head_dim_v = 128;
+  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll), "(got 192/128)"));
+  call.topk = false;
+  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+}
+
+TEST(ResolveBackend, PagedHeadDim512AndQk192WithV128RunOnCudaOnSm90) {
+  std::array<BackendStatus, kNumBackends> status = only_torch_native();
+  status[static_cast<int>(Backend::kCuda)] = BackendStatus{true, "", 0};
+  CallDescription call = paged_decode();
+  auto chosen = [&] {
+    const Decision decision = resolve_backend(call, {}, status);
+    return decision.chosen.has_value() ? *decision.chosen : Backend::kTorchNative;
+  };
+  call.head_dim = call.head_dim_v = 512;
+  EXPECT_EQ(chosen(), Backend::kCuda);
+  call.head_dim = 192;
+  call.head_dim_v = 128;
+  EXPECT_EQ(chosen(), Backend::kCuda);
+  call.mode = Mode::kPrefill;
+  EXPECT_EQ(chosen(), Backend::kCuda);
+  call.head_dim_v = 96;  // no row: the reference
+  EXPECT_EQ(chosen(), Backend::kTorchNative);
 }
 
 TEST(FlashCapability, UnequalQkAndVHeadDimsAsEachFlashAttentionTakesThem) {

@@ -9,9 +9,15 @@ import pytest
 import torch
 
 import astrai.extension as ae
-from astrai.extension import PagedKVCache
+from astrai.extension import PagedKVCache, ops
 from astrai.extension.kv_cache import tokens_that_fit
 from tests.reference import assert_close_to_reference, sequence_reference
+
+# config.h's rows as the library reports them ("192/128": q/k 192, v 128).
+CUDA_HEAD_DIMS = ", ".join(
+    str(d) if d == dv else f"{d}/{dv}"
+    for d, dv in ops.BUILD_INFO["paged_kernels"]["head_dim_pairs"]
+)
 
 
 def test_each_layer_gets_pools_of_its_own_shape():
@@ -149,15 +155,19 @@ def test_a_gemma4_like_decode_loop_runs_every_layer_through_one_cache():
                 start += n
 
 
-def test_cuda_reasons_name_head_dim_512_and_unequal_head_dims():
-    """The cuda kernels keep refusing both for now; the resolver says why (then torch_native)."""
-    for d, dv, reason in (
-        (512, 512, "512"),
-        (192, 128, "v head_dim 128 differs from q/k head_dim 192"),
-    ):
+def test_cuda_takes_head_dim_512_and_qk_192_with_v_128():
+    """Both are rows of the cuda kernels' list (config.h): on a CPU tensor cuda is passed over for
+    the device alone, never for the head dims; a pair that is no row is named as a pair."""
+    for d, dv in ((512, 512), (192, 128), (192, 96)):
         cache = PagedKVCache(1, 4, 4, 1, d, dtype=torch.bfloat16, head_dim_v=dv)
         cache.begin_step([0], [1])
         q = torch.randn(1, 1, 2, d, dtype=torch.bfloat16)
         decision = ae.explain(q, kv_cache=cache, fwd="decode", is_causal=True)
-        assert any(reason in r for r in decision.rejected["cuda"]), decision.rejected["cuda"]
-        assert decision.backend == "torch_native"
+        head_dim_reasons = [r for r in decision.rejected["cuda"] if "head_dim" in r]
+        if dv == 96:
+            assert head_dim_reasons == [
+                f"unsupported head_dim 192 with v head_dim 96 (supported: {CUDA_HEAD_DIMS})"
+            ], decision.rejected["cuda"]
+        else:
+            assert head_dim_reasons == [], decision.rejected["cuda"]
+            assert any("needs CUDA tensors" in r for r in decision.rejected["cuda"])

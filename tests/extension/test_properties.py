@@ -225,7 +225,7 @@ def test_bad_paged_metadata_gets_a_clear_error_or_the_right_answer(call):
 
 # -- the cuda kernels (GPU) -------------------------------------------------------------------
 
-CUDA_HEAD_DIMS = [64, 96, 128, 256]  # config.h's list (tests/kernels read it from the library)
+CUDA_HEAD_DIMS = [64, 96, 128, 256, 512]  # config.h's equal rows (tests/kernels read the library)
 CUDA_PROPERTY = settings(max_examples=40, deadline=None, derandomize=True)
 
 

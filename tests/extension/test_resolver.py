@@ -39,8 +39,12 @@ BACKENDS = ("cuda", "flash", "torch_native")
 # torch.ops.astr.selected_backend()'s sources (csrc/dispatch/resolver.h: SelectionSource).
 CONTEXT, ENVIRONMENT, DEFAULT = 2, 3, 4
 NO_GPU = not torch.cuda.is_available()
-# The head dims the cuda kernels were built for, as the library reports them (config.h's list).
-CUDA_HEAD_DIMS = ", ".join(str(d) for d in ops.BUILD_INFO["paged_kernels"]["head_dims"])
+# The head dims the cuda kernels were built for, as the library reports them (config.h's list:
+# "192/128" for q/k head dim 192 with v head dim 128).
+CUDA_HEAD_DIMS = ", ".join(
+    str(d) if d == dv else f"{d}/{dv}"
+    for d, dv in ops.BUILD_INFO["paged_kernels"]["head_dim_pairs"]
+)
 
 
 @pytest.fixture(autouse=True)
@@ -572,8 +576,8 @@ def _dense(dtype=torch.bfloat16, head_dim=64, mask=None, grad=False):
     return (q, None, mask, False, None)
 
 
-def _paged(dtype=torch.bfloat16, head_dim=64, page_size=16, mask=None, grad=False):
-    cache = PagedKVCache(1, 1, page_size, 2, head_dim, dtype=dtype)
+def _paged(dtype=torch.bfloat16, head_dim=64, page_size=16, mask=None, grad=False, head_dim_v=None):
+    cache = PagedKVCache(1, 1, page_size, 2, head_dim, dtype=dtype, head_dim_v=head_dim_v)
     q = torch.randn(1, 3, 4, head_dim, dtype=dtype, requires_grad=grad)
     return (q, cache, mask, True, "prefill")
 
@@ -607,6 +611,20 @@ SUPPORT_TABLE = [
         },
     ),
     ("paged-d96", lambda: _paged(head_dim=96), {CudaBackend: None, TorchNativeBackend: None}),
+    ("paged-d512", lambda: _paged(head_dim=512), {CudaBackend: None, TorchNativeBackend: None}),
+    (
+        "paged-d192-v128",
+        lambda: _paged(head_dim=192, head_dim_v=128),
+        {CudaBackend: None, TorchNativeBackend: None},
+    ),
+    (
+        "paged-d192-v96",
+        lambda: _paged(head_dim=192, head_dim_v=96),
+        {
+            CudaBackend: "unsupported head_dim 192 with v head_dim 96",
+            TorchNativeBackend: None,
+        },
+    ),
     (
         "paged-d80",
         lambda: _paged(head_dim=80),

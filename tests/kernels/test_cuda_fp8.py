@@ -14,6 +14,7 @@ import torch
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
+    UNEQUAL_HEAD_DIMS,
     PagedBatch,
     splits_tuning,
 )
@@ -396,3 +397,25 @@ def test_fp8_decode_step_through_the_api_under_torch_compile():
     )
     err = (compiled.double() - eager.double()).norm() / eager.double().norm()
     assert err < 1e-2
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("head_dims", UNEQUAL_HEAD_DIMS)
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("way", ["mma_sync_in_kernel", "mma_sync_dequantized"])
+def test_fp8_unequal_head_dims_match_reference(fp8, head_dims, decode, way, tuning):
+    """q/k 192 and v 128 over an FP8 cache: the decode dequantizes in registers, the prefill reads
+    the bytes whatever the tuning asks (the dequantizing pass takes one head dim: plan.h)."""
+    tuning(PREFILL_WAYS[way])
+    d, dv = head_dims
+    g = torch.Generator(device="cuda").manual_seed(300 + d + dv + decode)
+    q_lens = [1, 1, 1] if decode else [300, 1, 77]
+    lens = [1300, 40, 777]
+    inner = PagedBatch(lens, q_lens, 8, 2, d, 16, torch.bfloat16, generator=g, head_dim_v=dv)
+    batch = Fp8Batch(inner, fp8, g)
+    out, _ = run(batch, decode)
+    assert out.shape[-1] == dv
+    ref, _ = variant_reference(batch, batch.q, 1.0 / math.sqrt(d))
+    assert_matches(out, ref)
+    control = unscaled_reference(batch)
+    assert (out.double() - control).norm() / control.norm() > 0.05

@@ -24,8 +24,15 @@ pytestmark = [
 
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
-# The head dims the kernels were built for (config.h's list, as the library reports it).
+# The head dims the kernels were built for (config.h's list, as the library reports it): the rows
+# of equal q/k and v head dims, and those whose v head dim differs ((192, 128): DeepSeek's MHA
+# form).
 HEAD_DIMS = ops.BUILD_INFO["paged_kernels"]["head_dims"] if torch.cuda.is_available() else [64, 128]
+UNEQUAL_HEAD_DIMS = (
+    [tuple(p) for p in ops.BUILD_INFO["paged_kernels"]["head_dim_pairs"] if p[0] != p[1]]
+    if torch.cuda.is_available()
+    else [(192, 128)]
+)
 
 
 def attention_op(*args, **kwargs):
@@ -55,7 +62,9 @@ class PagedBatch:
         spare_pages=5,
         extra_width=2,
         generator=None,
+        head_dim_v=None,
     ):
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.seq_lens_list = list(seq_lens)
         self.q_lens_list = list(q_lens)
         self.page_size = page_size
@@ -71,7 +80,15 @@ class PagedBatch:
             dtype=dtype,
             generator=generator,
         )
-        self.v_cache = torch.randn_like(self.k_cache)
+        self.v_cache = torch.randn(
+            num_pages,
+            page_size,
+            num_kv_heads,
+            head_dim_v,
+            device=dev,
+            dtype=dtype,
+            generator=generator,
+        )
         perm = torch.randperm(num_pages, device=dev, generator=generator)
         width = max(pages_per_seq) + extra_width
         # Entries past a sequence's pages point outside the pool: the kernel must not read them.
@@ -87,7 +104,7 @@ class PagedBatch:
             pos = torch.arange(n, device=dev)
             owned[ids[pos // page_size] * page_size + pos % page_size] = True
         flat_k = self.k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = self.v_cache.view(-1, num_kv_heads, head_dim)
+        flat_v = self.v_cache.view(-1, num_kv_heads, head_dim_v)
         flat_k[~owned] = float("nan")
         flat_v[~owned] = float("nan")
         self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
@@ -129,8 +146,13 @@ def assert_close(out, ref, dtype):
     assert err < TOLERANCE[dtype], f"relative L2 error {err:.3e}"
 
 
+def output_shape(batch, q):
+    """[T, Hq, Dv]: the output's rows have v's head dim."""
+    return (*q.shape[:-1], batch.v_cache.shape[-1])
+
+
 def run_decode(batch, attn_mask=None, is_causal=True, scale=None):
-    poison_next_allocation(batch.q.shape, batch.q.dtype)
+    poison_next_allocation(output_shape(batch, batch.q), batch.q.dtype)
     scale = 1.0 / math.sqrt(batch.q.shape[-1]) if scale is None else scale
     return attention_op(
         batch.q,
@@ -148,7 +170,7 @@ def run_decode(batch, attn_mask=None, is_causal=True, scale=None):
 
 
 def run_prefill(batch, q, scale, is_causal=True, attn_mask=None):
-    poison_next_allocation(q.shape, q.dtype)
+    poison_next_allocation(output_shape(batch, q), q.dtype)
     return attention_op(
         q,
         batch.k_cache,
@@ -220,7 +242,9 @@ SPLITS_AND_MERGES += [(n, "auto") for n in (3, 5, 8, 9, 32)]
 
 
 @pytest.mark.parametrize("splits,merge", SPLITS_AND_MERGES)
-@pytest.mark.parametrize("head_dim,group", [(64, 4), (96, 4), (128, 4), (128, 24), (256, 8)])
+@pytest.mark.parametrize(
+    "head_dim,group", [(64, 4), (96, 4), (128, 4), (128, 24), (256, 8), (512, 8)]
+)
 def test_decode_every_split_count_merges_the_same(head_dim, group, splits, merge, tuning):
     """A forced split count; 1 split also as eight-warp blocks (D = 128), 2 splits merged in a
     block pair, in a cluster or by the merge kernel (MERGE_SWITCHES), other counts by the merge
@@ -877,9 +901,24 @@ def test_rejects_unsupported_head_dim():
     q = torch.randn(2, 8, 80, device="cuda", dtype=torch.bfloat16)
     kc = torch.randn(4, 16, 2, 80, device="cuda", dtype=torch.bfloat16)
     args = small_batch(q=q, k_cache=kc, v_cache=kc.clone())
-    supported = ", ".join(str(d) for d in HEAD_DIMS)
+    supported = ", ".join(
+        str(d) if d == dv else f"{d}/{dv}"
+        for d, dv in ops.BUILD_INFO["paged_kernels"]["head_dim_pairs"]
+    )
     with pytest.raises(RuntimeError, match=rf"unsupported head_dim 80 \(supported: {supported}\)"):
         call(args)
+
+
+def test_rejects_a_head_dim_pair_that_is_no_row():
+    """q/k 192 runs with v 128 only (config.h's rows are pairs): v 192 is named as a pair."""
+    q = torch.randn(2, 8, 192, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(4, 16, 2, 192, device="cuda", dtype=torch.bfloat16)
+    args = small_batch(q=q, k_cache=kc, v_cache=kc.clone())
+    with pytest.raises(RuntimeError, match=r"unsupported head_dim 192 \(supported: "):
+        call(args)
+    vc = torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"unsupported head_dim 192 with v head_dim 64"):
+        call({**args, "v_cache": vc})
 
 
 def test_rejects_block_table_dtype():
@@ -925,3 +964,75 @@ def test_append_kv_rejects_bad_arguments():
         torch.ops.astr.append_kv(k[0], k[0], kc, vc, slots)
     with pytest.raises(RuntimeError, match="v: expected a tensor on cuda"):
         torch.ops.astr.append_kv(k, k.cpu(), kc, vc, slots)
+
+
+# ---- (q/k, v) head dims of their own: DeepSeek's MHA form (192, 128) ---------------------------
+
+
+@pytest.mark.parametrize("head_dims", UNEQUAL_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size,group", [(1, 4), (16, 1), (64, 16), (256, 8)])
+@pytest.mark.parametrize("splits,merge", [(1, "auto"), (2, "cluster"), (2, "kernel"), (9, "auto")])
+def test_decode_unequal_head_dims_matches_reference(
+    head_dims, dtype, page_size, group, splits, merge, tuning
+):
+    """q and k of one head dim, v (and the output) of another: every decode form that runs them
+    (one split, 2 merged in a cluster or by the merge kernel, 9 by the merge kernel)."""
+    tuning(splits_tuning(splits), MERGE_TUNING[merge])
+    d, dv = head_dims
+    g = torch.Generator(device="cuda").manual_seed(d + dv + page_size + group + splits)
+    lens = [1, 4000, int(torch.randint(2, 8192, (1,), generator=g, device="cuda"))]
+    batch = PagedBatch(lens, [1] * 3, 2 * group, 2, d, page_size, dtype, generator=g, head_dim_v=dv)
+    out = run_decode(batch)
+    assert out.shape == (3, 2 * group, dv)
+    assert_close(out, reference(batch, batch.q, True, 1.0 / math.sqrt(d)), dtype)
+
+
+@pytest.mark.parametrize("head_dims", UNEQUAL_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("page_size,group", [(1, 4), (16, 1), (64, 8)])
+def test_prefill_unequal_head_dims_matches_reference(head_dims, dtype, is_causal, page_size, group):
+    """The mma.sync prefill (the plan's kernel for these rows) over ragged prompts with prefixes;
+    a verify-sized call (3 new tokens) runs on the decode forms."""
+    d, dv = head_dims
+    g = torch.Generator(device="cuda").manual_seed(d * 3 + dv + page_size + group + is_causal)
+    for q_lens in ([1, 250, 77], [3, 3, 1]):
+        prefix = [int(x) for x in torch.randint(0, 1200, (3,), generator=g, device="cuda")]
+        lens = [p + n for p, n in zip(prefix, q_lens)]
+        batch = PagedBatch(
+            lens, q_lens, 2 * group, 2, d, page_size, dtype, generator=g, head_dim_v=dv
+        )
+        scale = 1.0 / math.sqrt(d)
+        out = run_prefill(batch, batch.q, scale, is_causal)
+        assert out.shape == (batch.num_tokens, 2 * group, dv)
+        assert_close(out, reference(batch, batch.q, is_causal, scale), dtype)
+
+
+@pytest.mark.parametrize("head_dims", [(512, 512), *UNEQUAL_HEAD_DIMS])
+def test_new_head_dims_return_the_lse_once_per_row(head_dims):
+    """D = 512's column chunks write one lse (chunk 0's); decode and prefill, against the
+    reference's."""
+    d, dv = head_dims
+    g = torch.Generator(device="cuda").manual_seed(5 + d + dv)
+    for q_lens in ([1, 1, 1], [40, 1, 200]):
+        lens = [n + 300 for n in q_lens]
+        batch = PagedBatch(lens, q_lens, 8, 2, d, 16, torch.bfloat16, generator=g, head_dim_v=dv)
+        scale = 1.0 / math.sqrt(d)
+        out, lse = cuda_op(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_table,
+            batch.seq_lens,
+            batch.query_start_loc,
+            max(q_lens),
+            q_lens == [1, 1, 1],
+            None,
+            True,
+            scale,
+            return_lse=True,
+        )
+        ref, ref_lse = reference(batch, batch.q, True, scale, return_lse=True)
+        assert_close(out, ref, torch.bfloat16)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=2e-2, rtol=1e-3)

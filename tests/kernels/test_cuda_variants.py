@@ -20,6 +20,7 @@ from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
     TOLERANCE,
+    UNEQUAL_HEAD_DIMS,
     PagedBatch,
     needs_persistent_block,
     poison_next_allocation,
@@ -62,7 +63,7 @@ def run(
     v_scale=None,
 ):
     """The cuda op over the batch's pools (an FP8 batch passes its scales), output poisoned."""
-    poison_next_allocation(q.shape, q.dtype)
+    poison_next_allocation((*q.shape[:-1], batch.v_cache.shape[-1]), q.dtype)
     return cuda_op(
         q,
         batch.k_cache,
@@ -300,3 +301,50 @@ def test_persistent_decode_windows_items_of_every_length(tuning):
         out, lse = run(batch, batch.q, True, scale, window_left)
         ref_out, ref_lse = variant_reference(batch, batch.q, scale, window_left)
         assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
+
+
+# Gemma 4's global layers (512: two blocks per row, each a chunk of 256 output columns) and
+# DeepSeek's MHA form (q/k 192, v 128), where the library has them.
+NEW_HEAD_DIMS = [d for d in [(512, 512), *UNEQUAL_HEAD_DIMS] if d[0] in HEAD_DIMS or d[0] != d[1]]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    "splits,merge", [(None, "auto"), (1, "auto"), (2, "cluster"), (2, "kernel"), (5, "auto")]
+)
+@pytest.mark.parametrize("head_dims", NEW_HEAD_DIMS)
+def test_decode_variants_of_the_new_head_dims_match_reference(
+    variant, splits, merge, head_dims, tuning
+):
+    """Each variant and all together in every decode form that runs these head dims."""
+    tuning(splits_tuning(splits), MERGE_TUNING[merge])
+    d, dv = head_dims
+    window_left, softcap, with_sinks = VARIANTS[variant]
+    g = torch.Generator(device="cuda").manual_seed(710 + d + dv + (splits or 0))
+    lens = [1, 129, 650, 3000, 1999]
+    batch = PagedBatch(
+        lens, [1] * len(lens), 8, 2, d, 16, torch.bfloat16, generator=g, head_dim_v=dv
+    )
+    sinks = make_sinks(8, g) if with_sinks else None
+    scale = 1.0 / math.sqrt(d)
+    out, lse = run(batch, batch.q, True, scale, window_left, softcap, sinks)
+    ref_out, ref_lse = variant_reference(batch, batch.q, scale, window_left, softcap, sinks)
+    assert_variant_close(out, lse, ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dims", UNEQUAL_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_variants_of_unequal_head_dims_match_reference(variant, head_dims, dtype):
+    """The prefill over q/k and v head dims of their own (D = 512: the HEAD_DIMS test above)."""
+    d, dv = head_dims
+    window_left, softcap, with_sinks = VARIANTS[variant]
+    g = torch.Generator(device="cuda").manual_seed(910 + d + dv)
+    q_lens = [300, 1, 130, 77]
+    lens = [1300, 500, 130, 2077]
+    batch = PagedBatch(lens, q_lens, 8, 2, d, 16, dtype, generator=g, head_dim_v=dv)
+    sinks = make_sinks(8, g) if with_sinks else None
+    scale = 1.0 / math.sqrt(d)
+    out, lse = run(batch, batch.q, False, scale, window_left, softcap, sinks)
+    ref_out, ref_lse = variant_reference(batch, batch.q, scale, window_left, softcap, sinks)
+    assert_variant_close(out, lse, ref_out, ref_lse, dtype)

@@ -11,10 +11,13 @@ from .base import AttentionBackend
 
 
 def _form_args(q, kv_cache):
+    """q as a paged call's [T, Hq, D] and the first layer's pools (their kv heads and head
+    dims: v's may differ from q/k's)."""
     k_cache = kv_cache.k_pools[0] if kv_cache is not None else None
+    v_cache = kv_cache.v_pools[0] if kv_cache is not None else None
     if k_cache is not None and q.dim() == 4:
         q = q.reshape(-1, q.shape[-2], q.shape[-1])
-    return q, k_cache
+    return q, k_cache, v_cache
 
 
 class BuiltinBackend(AttentionBackend):
@@ -25,10 +28,10 @@ class BuiltinBackend(AttentionBackend):
     ) -> List[str]:
         """Why this backend cannot run a call of this form (empty when it can), as the C++
         resolver sees it. ``placement`` adds availability, device and GPU-arch rules."""
-        q, k_cache = _form_args(q, kv_cache)
+        q, k_cache, v_cache = _form_args(q, kv_cache)
         mode = fwd if fwd is not None else ("prefill" if kv_cache is not None else None)
         text = torch.ops.astr.check_backend(
-            self.name, q, k_cache, attn_mask, is_causal, mode, placement
+            self.name, q, k_cache, attn_mask, is_causal, mode, placement, v_cache
         )
         return [line for line in text.split("\n") if line]
 

@@ -81,6 +81,9 @@ DequantizedPages dequantize_pages(kernels::PagedPrefillParams& params, const Pag
   const at::Tensor& v_cache = *args.v_cache;
   const int64_t pages = shape.num_seqs * shape.width;
   ASTR_CHECK(pages <= INT32_MAX, "cuda_paged_attention: too many pages for an FP8 prefill");
+  // The plan reads the bytes where v's head dim differs (plan_paged_prefill).
+  ASTR_CHECK(shape.head_dim_v == shape.head_dim,
+             "cuda_paged_attention: FP8 pages are dequantized first for equal head dims only");
   DequantizedPages out;
   out.k_pages =
       at::empty({pages, shape.page_size, shape.num_kv_heads, shape.head_dim}, args.q.options());
@@ -123,12 +126,12 @@ kernels::PrefillPlan plan_prefill(const PagedCallShape& shape, const AttentionAr
   // or the kernel reads the bytes.
   std::optional<int64_t> scratch_bytes;  // none: a 16-bit cache
   if (shape.fp8) {
-    scratch_bytes = 2 * shape.num_seqs * shape.width * shape.page_size * shape.num_kv_heads *
-                    shape.head_dim * q_bytes;
+    scratch_bytes = shape.num_seqs * shape.width * shape.page_size * shape.num_kv_heads *
+                    (shape.head_dim + shape.head_dim_v) * q_bytes;
   }
   return kernels::plan_paged_prefill(static_cast<int>(shape.head_dim), device, tuning,
                                      scratch_bytes, prefill_kv_footprint(shape, q_bytes),
-                                     batch_invariant);
+                                     batch_invariant, static_cast<int>(shape.head_dim_v));
 }
 
 kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
@@ -188,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> cuda_paged_attention(const at::Tensor& q ASTR
   const AttentionArgs args(q ASTR_ATTENTION_FORWARDED, return_lse);
   const PagedCallShape shape = check_cuda_paged_call(args);
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty({shape.num_tokens, shape.num_q_heads, shape.head_dim}, q.options());
+  at::Tensor out = at::empty({shape.num_tokens, shape.num_q_heads, shape.head_dim_v}, q.options());
   const at::TensorOptions floats = q.options().dtype(at::kFloat);
   at::Tensor lse = return_lse ? at::empty({shape.num_tokens, shape.num_q_heads}, floats)
                               : at::empty({0}, floats);

@@ -79,8 +79,6 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
   shape.num_tokens = q.size(0);
   shape.num_q_heads = q.size(1);
   shape.head_dim = q.size(2);
-  ASTR_CHECK(kernels::paged_head_dim_forms(static_cast<int>(shape.head_dim)) != nullptr,
-             "cuda_paged_attention: q: ", kernels::unsupported_head_dim_message(shape.head_dim));
   check_16_byte_rows(q, "q");
 
   // The cache holds q's dtype, or FP8 (e4m3 / e5m2, the same for k and v) with per-head scales.
@@ -93,12 +91,20 @@ PagedCallShape check_cuda_paged_call(const AttentionArgs& a) {
                cache->scalar_type());
     ASTR_CHECK(cache->dim() == 4, "cuda_paged_attention: ", name,
                " must have shape [P, S, Hkv, D] (rank 4), got ", cache->sizes());
-    ASTR_CHECK(cache->size(3) == shape.head_dim, "cuda_paged_attention: ", name, " head dim ",
-               cache->size(3), " must equal q's head dim ", shape.head_dim);
     check_16_byte_rows(*cache, name);
   }
-  ASTR_CHECK(v_cache.sizes() == k_cache.sizes(), "cuda_paged_attention: v_cache shape ",
-             v_cache.sizes(), " must equal k_cache shape ", k_cache.sizes());
+  ASTR_CHECK(k_cache.size(3) == shape.head_dim, "cuda_paged_attention: k_cache head dim ",
+             k_cache.size(3), " must equal q's head dim ", shape.head_dim);
+  ASTR_CHECK(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3),
+             "cuda_paged_attention: v_cache shape ", v_cache.sizes(), " must equal k_cache shape ",
+             k_cache.sizes(), " but for the head dim");
+  // The head-dim pair: a row of config.h's list (v's head dim differs only where a row says so).
+  shape.head_dim_v = v_cache.size(3);
+  ASTR_CHECK(kernels::paged_head_dim_forms(static_cast<int>(shape.head_dim),
+                                           static_cast<int>(shape.head_dim_v)) != nullptr,
+             "cuda_paged_attention: q, v_cache: ",
+             kernels::unsupported_head_dim_message(static_cast<int>(shape.head_dim),
+                                                   static_cast<int>(shape.head_dim_v)));
   shape.page_size = k_cache.size(1);
   shape.num_kv_heads = k_cache.size(2);
   shape.num_pages = k_cache.size(0);

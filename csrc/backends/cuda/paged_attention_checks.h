@@ -15,7 +15,8 @@ namespace astr::backends {
 struct PagedCallShape {
   int64_t num_tokens = 0;    // T
   int64_t num_q_heads = 0;   // Hq
-  int64_t head_dim = 0;      // D of q, k and v
+  int64_t head_dim = 0;      // D of q and k
+  int64_t head_dim_v = 0;    // of v and the output (config.h's rows are (D, Dv) pairs)
   int64_t num_kv_heads = 0;  // Hkv
   int64_t page_size = 0;     // S, a power of two
   int64_t num_pages = 0;     // P

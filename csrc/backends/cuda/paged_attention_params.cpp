@@ -67,6 +67,7 @@ kernels::PagedAttentionParams paged_attention_params(const AttentionArgs& a,
   p.num_q_heads = static_cast<int>(shape.num_q_heads);
   p.num_kv_heads = static_cast<int>(shape.num_kv_heads);
   p.head_dim = static_cast<int>(shape.head_dim);
+  p.head_dim_v = static_cast<int>(shape.head_dim_v);
   p.log2_page_size = log2_of_power_of_two(shape.page_size);
   p.is_causal = a.is_causal;
   p.scale = static_cast<float>(a.resolved_scale());
@@ -79,6 +80,7 @@ kernels::DecodeShape decode_shape(const PagedCallShape& shape, const AttentionAr
   decode.num_q_heads = static_cast<int>(shape.num_q_heads);
   decode.num_kv_heads = static_cast<int>(shape.num_kv_heads);
   decode.head_dim = static_cast<int>(shape.head_dim);
+  decode.head_dim_v = static_cast<int>(shape.head_dim_v);
   decode.block_table_positions = shape.width * shape.page_size;
   decode.window_left = static_cast<int>(args.window_left);
   decode.kv_bytes = shape.fp8 ? 1 : 2;
@@ -91,6 +93,7 @@ kernels::TopkShape topk_shape(const PagedCallShape& shape, const AttentionArgs& 
   topk.num_q_heads = static_cast<int>(shape.num_q_heads);
   topk.num_kv_heads = static_cast<int>(shape.num_kv_heads);
   topk.head_dim = static_cast<int>(shape.head_dim);
+  topk.head_dim_v = static_cast<int>(shape.head_dim_v);
   topk.topk = args.topk_indices ? args.topk_indices->size(1) : 0;
   topk.kv_bytes = shape.fp8 ? 1 : 2;
   return topk;
@@ -100,7 +103,8 @@ kernels::PrefillKvFootprint prefill_kv_footprint(const PagedCallShape& shape,
                                                  int64_t q_element_bytes) {
   kernels::PrefillKvFootprint footprint;
   footprint.pairs = shape.num_seqs * shape.num_kv_heads;
-  footprint.bytes_per_pair = 2 * shape.width * shape.page_size * shape.head_dim * q_element_bytes;
+  footprint.bytes_per_pair =
+      shape.width * shape.page_size * (shape.head_dim + shape.head_dim_v) * q_element_bytes;
   return footprint;
 }
 

@@ -44,7 +44,9 @@ template <typename Traits, typename T, typename KV, Softcap kSoftcap, bool kE5M2
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_decode_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(Traits::kDecode && sizeof(KV) == Traits::kKVBytes, "decode traits of this cache");
-  constexpr int D = Traits::kHeadDim;
+  constexpr int D = Traits::kHeadDim;    // q and k
+  constexpr int DV = Traits::kVColumns;  // the block's chunk of v's (and the output's) columns
+  constexpr int kVChunks = Traits::kVChunks;
   constexpr int kChunks = Traits::kChunksPerRow;
   constexpr int kThreads = Traits::kThreads;  // of this thread's group
   constexpr int kGroups = Traits::kGroups;    // 2: a decode block pair (traits.h)
@@ -72,8 +74,12 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   if (kGroups == 1 && args.merge_in_cluster) cluster_arrive_relaxed();
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int seq_index = blockIdx.x / p.num_kv_heads;
-  const int kv_head = blockIdx.x % p.num_kv_heads;
+  // x: (sequence, kv head, v column chunk), the chunks of a pair side by side (their K reads
+  // meet in L2).
+  const int pair_index = static_cast<int>(blockIdx.x) / kVChunks;
+  const int v_column0 = (static_cast<int>(blockIdx.x) % kVChunks) * DV;
+  const int seq_index = pair_index / p.num_kv_heads;
+  const int kv_head = pair_index % p.num_kv_heads;
   const int row_tile = blockIdx.y;
   const int split = static_cast<int>(blockIdx.z) * kGroups + pair_group;
 
@@ -116,10 +122,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // K/V tiles (see kv_tile_loader.cuh). Page ids are looked up as far as the block table reaches,
   // so that the first lookups need not wait for seq_lens.
   const KVTileSource source = kv_tile_source<KV>(p, seq_index, kv_head, kv_begin, kv_end, tile_step,
-                                                 block_table_positions(p));
+                                                 block_table_positions(p), v_column0);
   // The eight-warp decode block's page-id ring follows the V stages (Traits::kPageIdRing).
   KVTileLoader<Traits, KV> loader(source, k_smem, v_smem, tid,
-                                  reinterpret_cast<int32_t*>(v_smem + Traits::kKVSmemElements));
+                                  reinterpret_cast<int32_t*>(v_smem + Traits::kVSmemElements));
 
   // ---- per-warp state: the block's 16 rows, the warp's 16 kv positions of every tile ----------
   const int warp_col0 = warp * kWarpTileN;  // kv offset inside the tile
@@ -200,7 +206,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
     const int stage = tile % kStages;
     const KV* k_tile = k_smem + stage * Traits::kTileElements;
-    const KV* v_tile = v_smem + stage * Traits::kTileElements;
+    const KV* v_tile = v_smem + stage * Traits::kVTileElements;
     const int pos0 = kv_begin + tile * tile_step;
 
     attend_kv_tile<Traits, T, KV, kE5M2>(
@@ -251,7 +257,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
   const bool pair_merge = kGroups > 1 || args.merge_in_cluster;
   constexpr int kOwnColumns = kColumns / Traits::kClusterSplits;
-  constexpr int kOwnFloats = D / Traits::kClusterSplits;
+  constexpr int kOwnFloats = DV / Traits::kClusterSplits;
   // Which block (group) of a pair writes item i's column: rank column / kOwnColumns.
   const int rank = !pair_merge ? 0 : (kGroups > 1 ? pair_group : cluster_block_rank());
   auto owner = [&](int i) { return pair_merge ? item_column(i) / kOwnColumns : rank; };
@@ -304,7 +310,9 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   for (int i = 0; i < kItems; ++i) {
     const int row = row0 + item_row(i);
     if (owner(i) != rank || row >= num_rows) continue;
-    const int c = item_column(i) * 4;
+    const int c = v_column0 + item_column(i) * 4;  // of the output row
+    // Every chunk's statistics are the same: chunk 0 writes the lse.
+    const bool lse_writer = c == 0;
     const float4 acc = item_o[i];
     // Row (new token, q head of the group); a decode's one token is q_start = its sequence's.
     const int token = seq.q_start + row / group;
@@ -317,15 +325,15 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
       packed.x = pack_pair<T>(acc.x * inv, acc.y * inv);
       packed.y = pack_pair<T>(acc.z * inv, acc.w * inv);
       *reinterpret_cast<uint2*>(dst) = packed;
-      if (c == 0) store_lse(p, token, head, finished.lse_log2);
+      if (lse_writer) store_lse(p, token, head, finished.lse_log2);
     } else {
       // The sink joins once, in the merge kernel.
       const FinishedRow finished = finish_row(item_m[i], item_l[i], -INFINITY);
       const float inv = finished.inv * scales.v;
       const int64_t index = ((int64_t)split * p.num_tokens + token) * p.num_q_heads + head;
-      *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
+      *reinterpret_cast<float4*>(args.partial_out + index * Traits::kHeadDimV + c) =
           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-      if (c == 0) args.partial_lse[index] = finished.lse_log2;
+      if (lse_writer) args.partial_lse[index] = finished.lse_log2;
     }
   }
 }
@@ -351,9 +359,9 @@ LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t strea
   const int64_t rows = (int64_t)group * (args.query_start_loc != nullptr ? args.max_query_len : 1);
   if (rows > INT32_MAX) return {"max_query_len * group size too large"};
   dim3 grid;
-  const LaunchStatus prepared =
-      prepare_row_tile_launch(kernel, Traits::kBlockSmemBytes, args.base, static_cast<int>(rows),
-                              Traits::kBlockRows, args.num_splits / Traits::kGroups, &grid);
+  const LaunchStatus prepared = prepare_row_tile_launch(
+      kernel, Traits::kBlockSmemBytes, args.base, static_cast<int>(rows), Traits::kBlockRows,
+      args.num_splits / Traits::kGroups, &grid, Traits::kVChunks);
   if (!prepared.ok()) return prepared;
   if (!kPairs && args.merge_in_cluster) {
     // The num_splits blocks of a (sequence, kv head, row tile) are one cluster (grid z = splits).
@@ -379,14 +387,16 @@ LaunchStatus launch_paged_decode(const PagedKernelArgs& args, cudaStream_t strea
   LaunchStatus status =
       status_after_launch(kPairs ? "paged_decode_kernel (block pairs)" : "paged_decode_kernel");
   if (!status.ok() || kPairs || args.num_splits == 1) return status;
-  return launch_paged_decode_merge<T, Traits::kHeadDim>(args, stream);
+  return launch_paged_decode_merge<T, Traits::kHeadDimV>(args, stream);
 }
 
-template <int D, typename T, typename KV>
+template <int D, int DV, typename T, typename KV>
 LaunchStatus launch_paged_decode_form(const PagedKernelArgs& args, DecodeForm form,
                                       cudaStream_t stream) {
-  constexpr const HeadDimForms& forms = *paged_head_dim_forms(D);
+  constexpr const HeadDimForms& forms = *paged_head_dim_forms(D, DV);
   constexpr int kKVBytes = sizeof(KV);
+  static_assert(D == DV || !(forms.decode_eight_warps || forms.decode_block_pairs),
+                "different q/k and v head dims: the 4-warp decode forms");
   if constexpr (forms.decode_eight_warps) {
     if (form == DecodeForm::kEightWarps)
       return launch_paged_decode<DecodeEightWarpTraits<D, kKVBytes>, T, KV>(args, stream);
@@ -398,12 +408,12 @@ LaunchStatus launch_paged_decode_form(const PagedKernelArgs& args, DecodeForm fo
   if (form != DecodeForm::kSplit && form != DecodeForm::kCluster)
     return {std::string("decode form ") + decode_form_name(form) +
             " is not compiled for head_dim " + std::to_string(D)};
-  return launch_paged_decode<DecodeTraits<D, kKVBytes>, T, KV>(args, stream);
+  return launch_paged_decode<DecodeTraits<D, kKVBytes, DV>, T, KV>(args, stream);
 }
 
-template <int D, typename T, typename KV>
+template <int D, int DV, typename T, typename KV>
 LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cudaStream_t stream) {
-  const LaunchStatus status = launch_paged_decode_form<D, T, KV>(args, form, stream);
+  const LaunchStatus status = launch_paged_decode_form<D, DV, T, KV>(args, form, stream);
   if (!status.ok() || args.query_start_loc == nullptr) return status;
   // A verify's rows past max_query_len, or of a query_start_loc that places no token for sure,
   // are NaN, as a prefill's (query_rows.cuh). After the merge kernel, which writes every row: a

@@ -41,11 +41,12 @@ int current_device_arch();
 // sm_90 or newer: programmatic dependent launch, clusters.
 inline bool current_device_is_sm90_or_newer() { return current_device_arch() >= 90; }
 
-// Decode for head dim D, q type T, kv type KV, in the plan's form (decode_kernel.cuh; the merge
-// kernel follows a split decode). Not the persistent form:
-template <int D, typename T, typename KV>
+// Decode for q/k head dim D, v head dim DV, q type T, kv type KV, in the plan's form
+// (decode_kernel.cuh; the merge kernel follows a split decode). Not the persistent form:
+template <int D, int DV, typename T, typename KV>
 LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cudaStream_t stream);
 
+// The forms below take equal q/k and v head dims D (config.h compiles them for no other row).
 // The persistent decode (decode_persistent_kernel.cuh), on a grid of args.persistent_blocks.
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream);
@@ -56,8 +57,8 @@ LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream);
 
-// Prefill on mma.sync (prefill_mma_sync_kernel.cuh), sm_80 and newer.
-template <int D, typename T, typename KV>
+// Prefill on mma.sync (prefill_mma_sync_kernel.cuh), sm_80 and newer; q/k head dim D, v's DV.
+template <int D, int DV, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream);
 
 // Prefill on wgmma (prefill_wgmma_kernel.cuh): sm_90 (exactly: sm_90a code) in a library built for

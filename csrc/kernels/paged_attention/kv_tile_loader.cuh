@@ -36,6 +36,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/device_primitives.cuh"
 #include "params.h"
@@ -61,11 +62,13 @@ struct KVTileSource {
 };
 
 // The pool addressing of one (sequence, kv head) and the block's tiles: kv_begin, kv_begin +
-// tile_step, ... below kv_end, page ids looked up below lookup_end (KVTileSource).
+// tile_step, ... below kv_end, page ids looked up below lookup_end (KVTileSource); V's rows from
+// column v_column0 (a block's chunk of v's columns, traits.h).
 template <typename KV>
 __device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParams& p, int seq,
                                                        int kv_head, int kv_begin, int kv_end,
-                                                       int tile_step, int lookup_end) {
+                                                       int tile_step, int lookup_end,
+                                                       int v_column0 = 0) {
   KVTileSource source;
   source.kv_begin = kv_begin;
   source.kv_end = kv_end;
@@ -73,8 +76,8 @@ __device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParam
   source.lookup_end = lookup_end;
   source.k_head =
       static_cast<const char*>(p.k_cache) + kv_head * p.k_stride_head * (int64_t)sizeof(KV);
-  source.v_head =
-      static_cast<const char*>(p.v_cache) + kv_head * p.v_stride_head * (int64_t)sizeof(KV);
+  source.v_head = static_cast<const char*>(p.v_cache) +
+                  (kv_head * p.v_stride_head + v_column0) * (int64_t)sizeof(KV);
   source.k_page_bytes = static_cast<int>(p.k_stride_page * sizeof(KV));
   source.k_slot_bytes = static_cast<int>(p.k_stride_slot * sizeof(KV));
   source.v_page_bytes = static_cast<int>(p.v_stride_page * sizeof(KV));
@@ -84,6 +87,23 @@ __device__ __forceinline__ KVTileSource kv_tile_source(const PagedAttentionParam
   source.num_pages = p.num_pages;
   return source;
 }
+
+// The V tiles' shape: the traits' own where they tell v's head dim (PagedAttentionTraits:
+// kVColumns, a block's chunk of v's columns), else K's (the wgmma prefills' traits, equal dims).
+template <typename Traits, typename = void>
+struct VTileShape {
+  static constexpr int kChunksPerRow = Traits::kKVChunksPerRow;
+  static constexpr int kTileElements = Traits::kTileElements;
+  static constexpr int kColumns = Traits::kHeadDim;
+  static constexpr bool kSwizzle = Traits::kKVSwizzle;
+};
+template <typename Traits>
+struct VTileShape<Traits, std::void_t<decltype(Traits::kVColumns)>> {
+  static constexpr int kChunksPerRow = Traits::kVChunksPerRow;
+  static constexpr int kTileElements = Traits::kVTileElements;
+  static constexpr int kColumns = Traits::kVColumns;
+  static constexpr bool kSwizzle = Traits::kVSwizzle;
+};
 
 template <typename Traits, typename KV>
 struct KVTileLoader {
@@ -100,6 +120,17 @@ struct KVTileLoader {
   static constexpr int kRowsPerPass = kOneColumn ? kThreads / kChunks : 0;
   static_assert((kTileN * kChunks) % kThreads == 0, "tile copy must divide evenly");
   static_assert(kOneColumn || !Traits::kPageIdRing, "page-id ring: one column per thread");
+  // V's copies: the same rows and chunks as K's where a V row of the block has as many chunks
+  // (every head dim but (192, 128) and 512's chunks of 256 columns), else their own, with their
+  // own page ids (lookup reads both).
+  using VShape = VTileShape<Traits>;
+  static constexpr int kVChunks = VShape::kChunksPerRow;
+  static constexpr bool kSameRows = kVChunks == kChunks;
+  static constexpr int kVCopies = kTileN * kVChunks / kThreads;
+  static constexpr bool kVOneColumn = kThreads % kVChunks == 0;
+  static constexpr int kVRowsPerPass = kVOneColumn ? kThreads / kVChunks : 0;
+  static_assert((kTileN * kVChunks) % kThreads == 0, "V tile copy must divide evenly");
+  static_assert(kSameRows || !Traits::kWgmmaTiles, "V rows of their own: mma.sync tiles");
 
   // Page ids: one tile ahead in registers (lookup), or from the ring (fetch_ids): kIdSlots tiles
   // of kTileN ids, tile t in slot t % kIdSlots.
@@ -116,7 +147,8 @@ struct KVTileLoader {
   const char* v_thread;
   int row0, chunk, thread;
   int pages[kIdRing ? 1 : kCopies];
-  int32_t* id_ring;       // kIdRing: [kIdSlots][kTileN]
+  int v_pages[kSameRows || kIdRing ? 1 : kVCopies];  // V's own rows' ids, without the ring
+  int32_t* id_ring;                                  // kIdRing: [kIdSlots][kTileN]
   bool poisoned = false;  // prescan_page_ids met a page id outside the pool
 
   __device__ __forceinline__ KVTileLoader(const KVTileSource& source, KV* k_stages, KV* v_stages,
@@ -126,19 +158,31 @@ struct KVTileLoader {
     chunk = kOneColumn ? tid % kChunks : 0;
     thread = tid;
     k_thread = thread_column(src.k_head);
-    v_thread = thread_column(src.v_head);
+    v_thread = kSameRows ? thread_column(src.v_head)
+                         : src.v_head + (kVOneColumn ? tid % kVChunks : 0) * 16;
+  }
+
+  // Row and chunk of the V tile that V copy i of this thread takes, where V's rows are their own.
+  __device__ __forceinline__ int v_copy_row(int i, int copier) const {
+    if constexpr (kVOneColumn) return copier / kVChunks + i * kVRowsPerPass;
+    return (copier + i * kThreads) / kVChunks;
+  }
+  __device__ __forceinline__ int v_copy_row(int i) const { return v_copy_row(i, thread); }
+  __device__ __forceinline__ int v_copy_chunk(int i, int copier) const {
+    if constexpr (kVOneColumn) return copier % kVChunks;
+    return (copier + i * kThreads) % kVChunks;
   }
 
   // Row and chunk of the tile that copy i of this thread takes (copier: the thread's index, or a
   // copy of it the compiler cannot see through, issue_rows).
   __device__ __forceinline__ int copy_row(int i) const { return copy_row(i, thread); }
   __device__ __forceinline__ int copy_row(int i, int copier) const {
-    if constexpr (kOneColumn) return row0 + i * kRowsPerPass;
+    if constexpr (kOneColumn) return copier / kChunks + i * kRowsPerPass;
     return (copier + i * kThreads) / kChunks;
   }
   __device__ __forceinline__ int copy_chunk(int i) const { return copy_chunk(i, thread); }
   __device__ __forceinline__ int copy_chunk(int i, int copier) const {
-    if constexpr (kOneColumn) return chunk;
+    if constexpr (kOneColumn) return copier % kChunks;
     return (copier + i * kThreads) % kChunks;
   }
 
@@ -187,6 +231,13 @@ struct KVTileLoader {
     for (int i = 0; i < kCopies; ++i) {
       const int pos = pos0 + copy_row(i);
       pages[i] = pos < src.lookup_end ? src.block_table[pos >> src.log2_page_size] : 0;
+    }
+    if constexpr (!kSameRows && !kIdRing) {
+#pragma unroll
+      for (int i = 0; i < kVCopies; ++i) {
+        const int pos = pos0 + v_copy_row(i);
+        v_pages[i] = pos < src.lookup_end ? src.block_table[pos >> src.log2_page_size] : 0;
+      }
     }
   }
 
@@ -277,10 +328,41 @@ struct KVTileLoader {
     const int pos0 = src.kv_begin + tile * src.tile_step;
     const int page_mask = (1 << src.log2_page_size) - 1;
     KV* k_dst = k_smem + stage * Traits::kTileElements;
-    KV* v_dst = v_smem + stage * Traits::kTileElements;
+    KV* v_dst = v_smem + stage * VShape::kTileElements;
+    // D = 512 (V's rows their own, page ids from the ring) derives each copy's row and chunk from
+    // the thread index again every tile (opaque_copy): hoisted out of the tile loop, the offsets
+    // of its 48 copies spilled the decode.
+    constexpr bool kOpaque = !kSameRows && kIdRing;
+    const int copier = kOpaque ? static_cast<int>(opaque_copy(thread)) : thread;
+    if constexpr (!kSameRows) {
+      // V's own rows, then K's below.
+      const int clamp = src.num_pages - 1;
+#pragma unroll
+      for (int i = 0; i < kVCopies; ++i) {
+        const int row = v_copy_row(i, copier);
+        const int pos = pos0 + row;
+        const bool valid = pos < kv_end;
+        int page = 0;
+        if (valid) {
+          if constexpr (kIdRing)
+            page = id_ring[(slot_tile & (kIdSlots - 1)) * kTileN + (row >> src.log2_page_size)];
+          else
+            page = v_pages[i];
+          page = static_cast<int>(min(static_cast<unsigned>(page), unsigned(clamp)));
+        }
+        const int slot = pos & page_mask;
+        const int column = v_copy_chunk(i, copier);
+        const char* v_base = kVOneColumn ? v_column : v_column + column * 16;
+        const char* v_src =
+            v_base + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
+        const int offset =
+            tile_offset<VShape::kColumns, VShape::kSwizzle, Traits::kKVChunkElements>(row, column);
+        cp_async_16(shared_address(v_dst + offset), v_src, valid);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      const int row = copy_row(i);
+      const int row = copy_row(i, copier);
       const int pos = pos0 + row;
       // Rows past kv_end read nothing (zero fill); page 0 keeps their address a plain pool
       // address (their looked-up id may be anything). An id outside the pool is clamped into it
@@ -296,7 +378,7 @@ struct KVTileLoader {
             min(static_cast<unsigned>(page), static_cast<unsigned>(src.num_pages) - 1u));
       }
       const int slot = pos & page_mask;
-      const int column = copy_chunk(i);
+      const int column = copy_chunk(i, copier);
       const char* k_base = kOneColumn ? k_column : k_column + column * 16;
       const char* v_base = kOneColumn ? v_column : v_column + column * 16;
       const char* k_src =
@@ -309,7 +391,7 @@ struct KVTileLoader {
       else
         offset = tile_offset<D, Traits::kKVSwizzle, Traits::kKVChunkElements>(row, column);
       cp_async_16(shared_address(k_dst + offset), k_src, valid);
-      cp_async_16(shared_address(v_dst + offset), v_src, valid);
+      if constexpr (kSameRows) cp_async_16(shared_address(v_dst + offset), v_src, valid);
     }
   }
 

@@ -65,8 +65,8 @@ LaunchStatus dispatch_types(const PagedAttentionParams& p, F&& f) {
 }
 
 LaunchStatus check_common(const PagedAttentionParams& p) {
-  if (paged_head_dim_forms(p.head_dim) == nullptr)
-    return {unsupported_head_dim_message(p.head_dim)};
+  if (paged_head_dim_forms(p.head_dim, p.head_dim_v) == nullptr)
+    return {unsupported_head_dim_message(p.head_dim, p.head_dim_v)};
   if (p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
     return {"num_q_heads must be a positive multiple of num_kv_heads"};
   if (p.log2_page_size < 0 || p.log2_page_size > 30) return {"page size must be a power of two"};
@@ -94,6 +94,7 @@ LaunchStatus check_common(const PagedAttentionParams& p) {
 PagedKernelArgs kernel_args(const PagedAttentionParams& p) {
   PagedKernelArgs args{};
   args.base = p;
+  if (args.base.head_dim_v == 0) args.base.head_dim_v = p.head_dim;  // params of equal dims
   args.num_splits = 1;
   args.scale_log2 = p.scale * kLog2e;
   return args;
@@ -155,19 +156,21 @@ LaunchStatus launch_decode_forms(const PagedDecodeParams& params, const DecodePl
   args.early_start = true;
   const size_t rows = (size_t)plan.num_splits * params.num_tokens * params.num_q_heads;
   args.partial_out = params.workspace;
+  // The partial outputs are rows of the output's (v's) head dim.
   args.partial_lse =
-      params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
-  status = {"paged decode: head_dim " + std::to_string(params.head_dim) + " is not built"};
-  for_head_dim(params.head_dim, [&](auto d) {
+      params.workspace == nullptr ? nullptr : params.workspace + rows * args.base.head_dim_v;
+  status = {"paged decode: " + unsupported_head_dim_message(params.head_dim, params.head_dim_v)};
+  for_head_dim(params.head_dim, params.head_dim_v, [&](auto d, auto dv) {
     constexpr int D = decltype(d)::value;
+    constexpr int DV = decltype(dv)::value;
     status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
       using T = decltype(t);
       using KV = decltype(kv);
-      if constexpr (paged_head_dim_forms(D)->decode_persistent && std::is_same_v<T, KV>) {
+      if constexpr (paged_head_dim_forms(D, DV)->decode_persistent && std::is_same_v<T, KV>) {
         if (persistent) return run_paged_decode_persistent<D, T, KV>(args, stream);
       }
       if (persistent) return {"decode: the persistent form is not compiled for this head dim"};
-      return run_paged_decode<D, T, KV>(args, plan.form, stream);
+      return run_paged_decode<D, DV, T, KV>(args, plan.form, stream);
     });
   });
   return status;
@@ -215,12 +218,18 @@ LaunchStatus launch_paged_topk(const PagedTopkParams& params, const TopkPlan& pl
   args.partial_out = params.workspace;
   args.partial_lse =
       params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
-  status = {"paged top-k: head_dim " + std::to_string(params.head_dim) + " is not built"};
-  for_head_dim(params.head_dim, [&](auto d) {
+  status = {"paged top-k: " + unsupported_head_dim_message(params.head_dim, params.head_dim_v)};
+  for_head_dim(params.head_dim, params.head_dim_v, [&](auto d, auto dv) {
     constexpr int D = decltype(d)::value;
-    status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
-      return run_paged_topk<D, decltype(t), decltype(kv)>(args, stream);
-    });
+    constexpr int DV = decltype(dv)::value;
+    if constexpr (paged_head_dim_forms(D, DV)->topk) {
+      status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
+        return run_paged_topk<D, decltype(t), decltype(kv)>(args, stream);
+      });
+    } else {
+      status = {"paged top-k: the top-k kernels are not built for head dims " + std::to_string(D) +
+                "/" + std::to_string(DV)};
+    }
   });
   return status;
 }
@@ -239,13 +248,14 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
   args.panel_pairs = plan.panel_pairs;
   const bool wgmma = plan.kernel == PrefillKernel::kWgmma;
   const bool warp_specialized = plan.kernel == PrefillKernel::kWarpSpecialized;
-  status = {"paged prefill: head_dim " + std::to_string(params.head_dim) + " is not built"};
-  for_head_dim(params.head_dim, [&](auto d) {
+  status = {"paged prefill: " + unsupported_head_dim_message(params.head_dim, params.head_dim_v)};
+  for_head_dim(params.head_dim, params.head_dim_v, [&](auto d, auto dv) {
     constexpr int D = decltype(d)::value;
+    constexpr int DV = decltype(dv)::value;
     status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
       using T = decltype(t);
       using KV = decltype(kv);
-      if constexpr (paged_head_dim_forms(D)->prefill_wgmma) {
+      if constexpr (paged_head_dim_forms(D, DV)->prefill_wgmma) {
         if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
       }
       if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
@@ -254,13 +264,13 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
           return {
               "prefill: the warp-specialised kernel reads a cache of q's dtype (an FP8 cache "
               "is dequantized first)"};
-        } else if constexpr (paged_head_dim_forms(D)->prefill_warp_specialized) {
+        } else if constexpr (paged_head_dim_forms(D, DV)->prefill_warp_specialized) {
           return run_paged_prefill_warp_specialized<D, T, KV>(args, stream);
         } else {
           return {"prefill: the warp-specialised kernel is not compiled for this head dim"};
         }
       }
-      return run_paged_prefill<D, T, KV>(args, stream);
+      return run_paged_prefill<D, DV, T, KV>(args, stream);
     });
   });
   return status;

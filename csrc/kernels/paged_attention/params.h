@@ -44,7 +44,7 @@ struct PagedAttentionParams {
   ScalarType q_dtype;      // kBFloat16 or kFloat16; also the output's
 
   const void* k_cache;  // [P, S, Hkv, D], last dim contiguous, strides multiples of 16 bytes
-  const void* v_cache;  // [P, S, Hkv, D], same shape as k_cache
+  const void* v_cache;  // [P, S, Hkv, Dv], k_cache's shape but for v's head dim
   int64_t k_stride_page, k_stride_slot, k_stride_head;  // elements
   int64_t v_stride_page, v_stride_slot, v_stride_head;  // elements
   ScalarType kv_dtype;                                  // q_dtype, or an FP8 type
@@ -84,7 +84,7 @@ struct PagedAttentionParams {
   float* lse;          // [T, Hq] float32, natural log of each row's softmax denominator, or null
   int64_t lse_stride_token;  // elements between lse[t] and lse[t + 1]
 
-  void* out;                 // [T, Hq, D], written, q_dtype
+  void* out;                 // [T, Hq, Dv], written, q_dtype
   int64_t out_stride_token;  // elements
   int64_t out_stride_head;   // elements
 
@@ -92,7 +92,8 @@ struct PagedAttentionParams {
   int num_tokens;      // T
   int num_q_heads;     // Hq
   int num_kv_heads;    // Hkv; Hq % Hkv == 0
-  int head_dim;        // D
+  int head_dim;        // D, of q and k
+  int head_dim_v;      // of v and the output (D but for config.h's rows of their own; 0: D)
   int log2_page_size;  // log2(S)
   bool is_causal;
   float scale;  // softmax scale applied to q . k

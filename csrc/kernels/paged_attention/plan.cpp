@@ -15,6 +15,7 @@ namespace {
 struct DecodeFootprint {
   int blocks_per_sm = 0;
   int tile_positions = 64;  // kv positions of a 4-warp block's tile
+  int v_chunks = 1;         // blocks per item, each accumulating a chunk of v's columns
   int pair_block_smem = 0;
   int eight_warp_block_smem = 0;
   int persistent_block_smem = 0;
@@ -22,12 +23,13 @@ struct DecodeFootprint {
 
 // kv_bytes 1: an FP8 cache, whose decode tiles are twice as many positions and which the
 // persistent decode does not read (config.h).
-template <int D, int kKVBytes>
+template <int D, int DV, int kKVBytes>
 DecodeFootprint decode_footprint_of() {
-  constexpr const HeadDimForms& forms = *paged_head_dim_forms(D);
+  constexpr const HeadDimForms& forms = *paged_head_dim_forms(D, DV);
   DecodeFootprint footprint;
-  footprint.blocks_per_sm = DecodeTraits<D, kKVBytes>::kBlocksPerSm;
-  footprint.tile_positions = DecodeTraits<D, kKVBytes>::kTileN;
+  footprint.blocks_per_sm = DecodeTraits<D, kKVBytes, DV>::kBlocksPerSm;
+  footprint.tile_positions = DecodeTraits<D, kKVBytes, DV>::kTileN;
+  footprint.v_chunks = DecodeTraits<D, kKVBytes, DV>::kVChunks;
   if constexpr (forms.decode_block_pairs)
     footprint.pair_block_smem = DecodePairTraits<D, kKVBytes>::kBlockSmemBytes;
   if constexpr (forms.decode_eight_warps)
@@ -37,11 +39,12 @@ DecodeFootprint decode_footprint_of() {
   return footprint;
 }
 
-DecodeFootprint decode_footprint(int head_dim, int kv_bytes) {
+DecodeFootprint decode_footprint(int head_dim, int head_dim_v, int kv_bytes) {
   DecodeFootprint footprint;
-  for_head_dim(head_dim, [&](auto d) {
+  for_head_dim(head_dim, head_dim_v, [&](auto d, auto dv) {
     constexpr int D = decltype(d)::value;
-    footprint = kv_bytes == 1 ? decode_footprint_of<D, 1>() : decode_footprint_of<D, 2>();
+    constexpr int DV = decltype(dv)::value;
+    footprint = kv_bytes == 1 ? decode_footprint_of<D, DV, 1>() : decode_footprint_of<D, DV, 2>();
   });
   return footprint;
 }
@@ -69,8 +72,18 @@ bool cluster_runs(const DeviceFacts& device) { return device.arch >= 90; }
 size_t split_workspace_floats(const DecodeShape& shape, int num_splits) {
   if (num_splits <= 1) return 0;
   const int64_t rows = shape.num_tokens > 0 ? shape.num_tokens : shape.num_seqs;
-  return static_cast<size_t>(num_splits) * rows * shape.num_q_heads * (shape.head_dim + 1);
+  // Partial output rows of v's head dim, and their lse.
+  return static_cast<size_t>(num_splits) * rows * shape.num_q_heads *
+         (decode_head_dim_v(shape) + 1);
 }
+
+}  // namespace
+
+int decode_head_dim_v(const DecodeShape& shape) {
+  return shape.head_dim_v > 0 ? shape.head_dim_v : shape.head_dim;
+}
+
+namespace {
 
 bool parse_int(std::string_view text, int low, int high, int* value) {
   if (text.empty() || text.size() > 9) return false;
@@ -284,18 +297,26 @@ int64_t decode_kv_positions(const DecodeShape& shape) {
 DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device,
                              const KernelTuning& tuning) {
   DecodePlan plan;
-  if (paged_head_dim_forms(shape.head_dim) == nullptr) {
-    plan.error = unsupported_head_dim_message(shape.head_dim);
+  const int head_dim_v = decode_head_dim_v(shape);
+  if (paged_head_dim_forms(shape.head_dim, head_dim_v) == nullptr) {
+    plan.error = unsupported_head_dim_message(shape.head_dim, head_dim_v);
     return plan;
   }
-  const HeadDimForms& forms = *paged_head_dim_forms(shape.head_dim);
+  const HeadDimForms& forms = *paged_head_dim_forms(shape.head_dim, head_dim_v);
+  if (device.arch < paged_head_dim_min_arch(forms)) {
+    plan.error = "decode: head_dim " + std::to_string(shape.head_dim) + " needs sm_" +
+                 std::to_string(paged_head_dim_min_arch(forms)) + " or newer";
+    return plan;
+  }
   if (shape.kv_bytes != 1 && shape.kv_bytes != 2) {
     plan.error = "decode: a cache of 1- or 2-byte elements";
     return plan;
   }
-  const DecodeFootprint footprint = decode_footprint(shape.head_dim, shape.kv_bytes);
+  const DecodeFootprint footprint = decode_footprint(shape.head_dim, head_dim_v, shape.kv_bytes);
+  // A head dim of several v column chunks (512) runs a block per chunk of every item.
   const int64_t items = decode_items(shape.num_seqs, shape.num_q_heads, shape.num_kv_heads,
-                                     std::max(1, shape.query_len));
+                                     std::max(1, shape.query_len)) *
+                        footprint.v_chunks;
   const int64_t kv_positions = decode_kv_positions(shape);
   const int num_sms = std::max(1, device.num_sms);
   const int tile_n = footprint.tile_positions;
@@ -390,8 +411,13 @@ DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device
 TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
                          const KernelTuning& tuning) {
   TopkPlan plan;
-  if (paged_head_dim_forms(shape.head_dim) == nullptr) {
-    plan.error = unsupported_head_dim_message(shape.head_dim);
+  const HeadDimForms* forms = paged_head_dim_forms(shape.head_dim, shape.head_dim_v);
+  if (forms == nullptr) {
+    plan.error = unsupported_head_dim_message(shape.head_dim, shape.head_dim_v);
+    return plan;
+  }
+  if (!forms->topk) {
+    plan.error = topk_head_dim_message(*forms);
     return plan;
   }
   if (shape.kv_bytes != 1 && shape.kv_bytes != 2) {
@@ -438,11 +464,17 @@ TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
 // (decisions.md, "Prefill: which kernel runs at each head dim").
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes,
-                               const PrefillKvFootprint& kv, bool batch_invariant) {
+                               const PrefillKvFootprint& kv, bool batch_invariant, int head_dim_v) {
   PrefillPlan plan;
-  const HeadDimForms* forms = paged_head_dim_forms(head_dim);
+  if (head_dim_v == 0) head_dim_v = head_dim;
+  const HeadDimForms* forms = paged_head_dim_forms(head_dim, head_dim_v);
   if (forms == nullptr) {
-    plan.error = unsupported_head_dim_message(head_dim);
+    plan.error = unsupported_head_dim_message(head_dim, head_dim_v);
+    return plan;
+  }
+  if (device.arch < paged_head_dim_min_arch(*forms)) {
+    plan.error = "prefill: head_dim " + std::to_string(head_dim) + " needs sm_" +
+                 std::to_string(paged_head_dim_min_arch(*forms)) + " or newer";
     return plan;
   }
   // sm_90a code runs on sm_90 only.
@@ -466,6 +498,8 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
     bool first = !batch_invariant && prefill_dequantizes_fp8_first(*fp8_scratch_bytes);
     if (tuning.fp8_prefill != Fp8Prefill::kAuto)
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
+    // The dequantizing pass writes K and V pages of one head dim: other v head dims read the bytes.
+    if (head_dim_v != head_dim) first = false;
     // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one), the
     // wgmma one where it runs and can, else the mma.sync prefill, which
     // can at every head dim on every GPU.

@@ -91,7 +91,8 @@ struct DecodeShape {
   int num_seqs = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
-  int head_dim = 0;
+  int head_dim = 0;                   // of q and k
+  int head_dim_v = 0;                 // of v and the output; 0: head_dim
   int64_t block_table_positions = 0;  // block table width * page size
   int window_left = -1;               // the call's window (-1: none): bounds the kv range read
   int kv_bytes = 2;                   // the cache's element size: 2, or 1 for FP8
@@ -154,13 +155,17 @@ int64_t decode_kv_positions(const DecodeShape& shape);
 
 DecodePlan plan_paged_decode(const DecodeShape& shape, const DeviceFacts& device,
                              const KernelTuning& tuning);
+// The shape's v head dim (head_dim where head_dim_v is 0).
+int decode_head_dim_v(const DecodeShape& shape);
 // fp8_scratch_bytes: for an FP8 cache, the bytes the dequantized pages would take (K and V,
 // num_seqs x block-table width pages of q's dtype; 0 for an empty table); none for a 16-bit cache.
 // kv: for the block order (panel_pairs); none, one panel of every pair. batch_invariant: the mode
-// (BatchInvariance below).
+// (BatchInvariance below). head_dim_v: v's head dim, 0 for head_dim (config.h's rows are pairs);
+// where it differs, an FP8 cache is read as bytes (the dequantizing pass takes one head dim).
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes = std::nullopt,
-                               const PrefillKvFootprint& kv = {}, bool batch_invariant = false);
+                               const PrefillKvFootprint& kv = {}, bool batch_invariant = false,
+                               int head_dim_v = 0);
 
 // Sparse top-k attention (a call with topk_indices, decode or prefill: the top-k kernels run it
 // whatever its mode). Every query token is its own work item (its keys differ from its
@@ -174,8 +179,9 @@ struct TopkShape {
   int num_q_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
-  int64_t topk = 0;  // entries per row
-  int kv_bytes = 2;  // the cache's element size: 2, or 1 for FP8
+  int head_dim_v = 0;  // 0: head_dim
+  int64_t topk = 0;    // entries per row
+  int kv_bytes = 2;    // the cache's element size: 2, or 1 for FP8
   bool batch_invariant = false;
 };
 struct TopkPlan {

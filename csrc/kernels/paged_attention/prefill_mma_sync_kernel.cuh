@@ -41,7 +41,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   allow_dependent_launch();  // the unplaced-rows check (query_rows.cuh) runs beside it
   static_assert(sizeof(KV) == Traits::kKVBytes, "traits of this cache");
   constexpr bool kFp8 = Traits::kFp8;
-  constexpr int D = Traits::kHeadDim;
+  constexpr int D = Traits::kHeadDim;    // q and k
+  constexpr int DV = Traits::kVColumns;  // the block's chunk of v's (and the output's) columns
   constexpr int kChunks = Traits::kChunksPerRow;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kTileN = Traits::kTileN;
@@ -58,9 +59,12 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const PrefillBlock block = prefill_block_coordinates(p.num_kv_heads, args.panel_pairs);
+  // The grid's pairs are (sequence, kv head, v column chunk) triples, a pair's chunks side by side.
+  const PrefillBlock block =
+      prefill_block_coordinates(p.num_kv_heads * Traits::kVChunks, args.panel_pairs);
   const int seq_index = block.seq_index;
-  const int kv_head = block.kv_head;
+  const int kv_head = block.kv_head / Traits::kVChunks;
+  const int v_column0 = block.kv_head % Traits::kVChunks * DV;
   const int row_tile = block.row_tile;
 
   const SequenceRows seq = prefill_sequence(p, args.query_start_loc, seq_index, args.max_query_len);
@@ -78,7 +82,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // ---- global -> shared copies -------------------------------------------------------------
   // K/V tiles (see kv_tile_loader.cuh): page ids looked up just before each copy.
   const KVTileSource source =
-      kv_tile_source<KV>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end);
+      kv_tile_source<KV>(p, seq_index, kv_head, kv_begin, range.end, kTileN, range.end, v_column0);
   KVTileLoader<Traits, KV> loader(source, k_smem, v_smem, tid);
   loader.prescan_page_ids();  // once per block: the copies then only clamp their ids
 
@@ -138,7 +142,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
     const int stage = tile % kStages;
     const KV* k_tile = k_smem + stage * Traits::kTileElements;
-    const KV* v_tile = v_smem + stage * Traits::kTileElements;
+    const KV* v_tile = v_smem + stage * Traits::kVTileElements;
     const int pos0 = kv_begin + tile * kTileN;
 
     attend_kv_tile<Traits, T, KV, kE5M2, kSoftcap == Softcap::kFixedMax>(
@@ -170,31 +174,32 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
           finish_row(state.row_max[mi][half], poison_sum(state.row_sum[mi][half], poisoned),
                      sink_log2(p, head));
       const float inv = finished.inv * scales.v;
-      T* dst = out + token * p.out_stride_token + head * p.out_stride_head;
-      const float (&o)[D / 8][4] = state.o[mi];
+      T* dst = out + token * p.out_stride_token + head * p.out_stride_head + v_column0;
+      const float (&o)[DV / 8][4] = state.o[mi];
       if constexpr (kFp8) {
         // Blocks 2 j and 2 j + 1 hold d = 16 j + 4 t .. + 3 of this lane (fp8_output_column).
 #pragma unroll
-        for (int j = 0; j < D / 16; ++j)
+        for (int j = 0; j < DV / 16; ++j)
           *reinterpret_cast<uint2*>(dst + 16 * j + 2 * lane_col) = make_uint2(
               pack_pair<T>(o[2 * j][half * 2] * inv, o[2 * j + 1][half * 2] * inv),
               pack_pair<T>(o[2 * j][half * 2 + 1] * inv, o[2 * j + 1][half * 2 + 1] * inv));
       } else {
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
+        for (int dt = 0; dt < DV / 8; ++dt) {
           *reinterpret_cast<uint32_t*>(dst + lane_col + dt * 8) =
               pack_pair<T>(o[dt][half * 2] * inv, o[dt][half * 2 + 1] * inv);
         }
       }
-      if (lane_col == 0) store_lse(p, token, head, finished.lse_log2);
+      // Every chunk's statistics are the same: chunk 0 writes the lse.
+      if (lane_col == 0 && v_column0 == 0) store_lse(p, token, head, finished.lse_log2);
     }
   }
 }
 
-template <int D, typename T, typename KV>
+template <int D, int DV, typename T, typename KV>
 LaunchStatus run_paged_prefill(const PagedKernelArgs& args, cudaStream_t stream) {
-  using Traits = PrefillTraits<D, sizeof(KV)>;
-  return launch_prefill<T, Traits::kFp8>(
+  using Traits = PrefillTraits<D, sizeof(KV), DV>;
+  return launch_prefill<T, Traits::kFp8, Traits::kVChunks>(
       args,
       [](auto softcap, auto e5m2) {
         return paged_prefill_kernel<Traits, T, KV, decltype(softcap)::value, decltype(e5m2)::value>;

@@ -122,18 +122,21 @@ __device__ __forceinline__ float query_tile_to_f16(void* q_smem, int tid, Offset
 }
 
 // Host: lets `kernel` use `smem_bytes` of dynamic shared memory and sets the grid every paged
-// attention launch uses: x = (sequence, kv head) pairs of `p`, y = the row tiles of `block_rows`
-// rows that cover grid_rows rows (at most 65535), z = grid_z.
+// attention launch uses: x = (sequence, kv head) pairs of `p` times v_chunks (the blocks of a
+// pair's chunks of v's columns side by side: traits.h, kVChunks), y = the row tiles of
+// `block_rows` rows that cover grid_rows rows (at most 65535), z = grid_z.
 template <typename Kernel>
 LaunchStatus prepare_row_tile_launch(Kernel kernel, int smem_bytes, const PagedAttentionParams& p,
-                                     int grid_rows, int block_rows, int grid_z, dim3* grid) {
+                                     int grid_rows, int block_rows, int grid_z, dim3* grid,
+                                     int v_chunks = 1) {
   const cudaError_t error =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (error != cudaSuccess)
     return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
   const int64_t row_tiles = (grid_rows + block_rows - 1) / block_rows;
   if (row_tiles > 65535) return {"paged attention: too many query rows for one launch"};
-  const int64_t seq_heads = (int64_t)p.num_seqs * p.num_kv_heads;
+  const int64_t seq_heads = (int64_t)p.num_seqs * p.num_kv_heads * v_chunks;
+  if (seq_heads > INT32_MAX) return {"paged attention: too many (sequence, kv head) pairs"};
   *grid = dim3(static_cast<unsigned>(seq_heads), static_cast<unsigned>(row_tiles),
                static_cast<unsigned>(grid_z));
   return {};
@@ -154,13 +157,14 @@ __global__ void __launch_bounds__(kThreads) poison_unplaced_rows_kernel(PagedKer
   const int32_t* starts = args.query_start_loc;
   constexpr uint16_t kNan16 = 0x7fff;  // a NaN in both float16 and bfloat16
   auto poison_rows = [&](int begin, int end, int first, int step) {
-    const int64_t elements = static_cast<int64_t>(end - begin) * p.num_q_heads * p.head_dim;
+    const int dv = p.head_dim_v;  // the output's rows
+    const int64_t elements = static_cast<int64_t>(end - begin) * p.num_q_heads * dv;
     for (int64_t i = first; i < elements; i += step) {
-      const int token = begin + static_cast<int>(i / (p.num_q_heads * p.head_dim));
-      const int head = static_cast<int>(i / p.head_dim % p.num_q_heads);
-      const int64_t at = token * p.out_stride_token + head * p.out_stride_head + i % p.head_dim;
+      const int token = begin + static_cast<int>(i / (p.num_q_heads * dv));
+      const int head = static_cast<int>(i / dv % p.num_q_heads);
+      const int64_t at = token * p.out_stride_token + head * p.out_stride_head + i % dv;
       static_cast<uint16_t*>(p.out)[at] = kNan16;
-      if (p.lse != nullptr && i % p.head_dim == 0)
+      if (p.lse != nullptr && i % dv == 0)
         p.lse[token * p.lse_stride_token + head] = __int_as_float(0x7fc00000);
     }
   };
@@ -207,7 +211,8 @@ inline LaunchStatus launch_unplaced_rows_poison(const PagedKernelArgs& args, cud
 // rows (max_query_len x group rows per sequence). P is f16 over an FP8 cache (its fragments are
 // f16), so that cache has no fixed-max instantiation: the running max takes its place. `extra`:
 // the kernel's parameters after args (the warp-specialised prefill's tensor maps).
-template <typename T, bool kFp8, typename KernelFor, typename... Extra>
+// v_chunks: the blocks of a (sequence, kv head) pair's chunks of v's columns (traits.h).
+template <typename T, bool kFp8, int kVChunks = 1, typename KernelFor, typename... Extra>
 LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for, int smem_bytes,
                             int threads, int block_rows, cudaStream_t stream, const char* name,
                             const Extra&... extra) {
@@ -232,7 +237,7 @@ LaunchStatus launch_prefill(const PagedKernelArgs& args, KernelFor&& kernel_for,
   if (rows > INT32_MAX) return {"max_query_len * group size too large"};
   dim3 grid;
   const LaunchStatus prepared = prepare_row_tile_launch(
-      kernel, smem_bytes, args.base, static_cast<int>(rows), block_rows, 1, &grid);
+      kernel, smem_bytes, args.base, static_cast<int>(rows), block_rows, 1, &grid, kVChunks);
   if (!prepared.ok()) return prepared;
   kernel<<<grid, threads, smem_bytes, stream>>>(args, extra...);
   const LaunchStatus launched = status_after_launch(name);

@@ -5,7 +5,8 @@
 // attend_kv_tile: S = Q K^T for the warp's rows x Traits::kWarpTileN kv positions of the tile
 // (starting at warp_col0 inside it), the score transform (variant.cuh), the caller's mask, the
 // online softmax step and O += P V, on mma.sync.m16n8k16 with fp32 accumulators
-// (FlashAttention-2).
+// (FlashAttention-2). Q and K rows are Traits::kHeadDim long, V's tile the block's
+// Traits::kVColumns (a chunk of v's columns: traits.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,12 +22,13 @@
 
 namespace astr::kernels {
 
-// The running softmax state of a warp's rows: O (unnormalized), the running max of the scores
-// (unscaled when the scale is folded) and this lane's running sum of exp2.
+// The running softmax state of a warp's rows: O (unnormalized; the block's kVColumns of v's
+// columns), the running max of the scores (unscaled when the scale is folded) and this lane's
+// running sum of exp2.
 template <typename Traits>
 struct WarpSoftmaxState {
   static constexpr int kMRep = Traits::kRowBlocksPerWarp;
-  float o[kMRep][Traits::kHeadDim / 8][4];
+  float o[kMRep][Traits::kVColumns / 8][4];
   float row_max[kMRep][2];
   float row_sum[kMRep][2];
 
@@ -34,7 +36,7 @@ struct WarpSoftmaxState {
 #pragma unroll
     for (int mi = 0; mi < kMRep; ++mi) {
 #pragma unroll
-      for (int dt = 0; dt < Traits::kHeadDim / 8; ++dt)
+      for (int dt = 0; dt < Traits::kVColumns / 8; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[mi][dt][e] = 0.f;
       row_max[mi][0] = row_max[mi][1] = -INFINITY;
@@ -69,9 +71,11 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
                                                const ScoreTransform& transform,
                                                WarpSoftmaxState<Traits>& state) {
   constexpr int D = Traits::kHeadDim;
+  constexpr int DV = Traits::kVColumns;
   constexpr int kMRep = Traits::kRowBlocksPerWarp;
   constexpr int kWarpTileN = Traits::kWarpTileN;
   constexpr bool kSwizzle = Traits::kKVSwizzle;
+  constexpr bool kVSwizzle = Traits::kVSwizzle;
   constexpr int kChunkElements = Traits::kKVChunkElements;
   using P = std::conditional_t<Traits::kFp8, __half, T>;  // P's type in the P V multiply
 
@@ -159,7 +163,7 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
 #pragma unroll
     for (int mi = 0; mi < kMRep; ++mi)
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
+      for (int dt = 0; dt < DV / 8; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) state.o[mi][dt][e] *= alpha[mi][e / 2];
   }
@@ -181,12 +185,12 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
       // rows, bytes 1, 3 the next odd d. Output n8 block 2 j + parity: chunk j's d of that parity.
       const int matrix = lane / 8;
 #pragma unroll
-      for (int dp = 0; dp < D / 32; ++dp) {
+      for (int dp = 0; dp < DV / 32; ++dp) {
         uint32_t r[4];
         const int row = warp_col0 + kk * 16 + (matrix % 2) * 8 + (lane % 8);
         const int ch = 2 * dp + matrix / 2;
         ldmatrix_x4_trans(
-            shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(row, ch)), r);
+            shared_address(v_tile + tile_offset<DV, kVSwizzle, kChunkElements>(row, ch)), r);
         uint32_t even[4], odd[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) fp8_strided_pairs_to_f16x2<kE5M2>(r[i], even[i], odd[i]);
@@ -200,12 +204,12 @@ __device__ __forceinline__ void attend_kv_tile(const KV* k_tile, const KV* v_til
       }
     } else {
 #pragma unroll
-      for (int dj = 0; dj < D / 16; ++dj) {
+      for (int dj = 0; dj < DV / 16; ++dj) {
         uint32_t b[4];
         const int r = warp_col0 + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
         const int ch = dj * 2 + lane / 16;
-        ldmatrix_x4_trans(shared_address(v_tile + tile_offset<D, kSwizzle, kChunkElements>(r, ch)),
-                          b);
+        ldmatrix_x4_trans(
+            shared_address(v_tile + tile_offset<DV, kVSwizzle, kChunkElements>(r, ch)), b);
 #pragma unroll
         for (int mi = 0; mi < kMRep; ++mi) {
           mma_m16n8k16<T>(state.o[mi][2 * dj], a[mi], b[0], b[1]);
@@ -294,7 +298,7 @@ __device__ __forceinline__ void finish_row_states(WarpSoftmaxState<Traits>& stat
 // threads divide into whole rows a thread keeps one column (column(tid, i) the same for every i).
 template <typename Traits>
 struct MergedRows {
-  static constexpr int kColumns = Traits::kHeadDim / 4;
+  static constexpr int kColumns = Traits::kVColumns / 4;
   static constexpr int kItems = 16 * kColumns / Traits::kThreads;
   static_assert((16 * kColumns) % Traits::kThreads == 0, "merge items");
   float m[kItems], l[kItems];
@@ -316,7 +320,7 @@ template <typename Traits, typename Sync>
 __device__ __forceinline__ MergedRows<Traits> merge_warp_states(
     unsigned char* merge, const WarpSoftmaxState<Traits>& state, int tid, int valid_rows,
     Sync&& sync) {
-  constexpr int D = Traits::kHeadDim;
+  constexpr int D = Traits::kVColumns;  // the block's output columns
   constexpr float kNegInf = -INFINITY;
   const int warp = tid / 32, lane = tid % 32;
   const int lane_row = lane / 4, lane_col = (lane % 4) * 2;

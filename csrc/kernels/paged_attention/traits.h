@@ -46,9 +46,22 @@ constexpr int kSharedMemoryReservedPerBlock = 1024;
 // are 128 positions; one block per SM, page ids from a ring in shared memory (kPageIdRing).
 // kKVBytes_: the cache's element size, 2 (q's 16-bit type) or 1 (FP8, dequantized in registers:
 // tile_math.cuh).
-template <int kHeadDim_, bool kDecode_, int kGroups_ = 1, int kWarps_ = 4, int kKVBytes_ = 2>
+// kHeadDimV_: v's head dim (and the output's), kHeadDim_ q and k's (config.h's rows). A block
+// accumulates kVColumns of v's columns, chunk blockIdx.x % kVChunks (query_rows.cuh: the grid):
+// above 256 columns O would not fit in registers next to S, so 512 takes 2 chunks of 256, each
+// block computing the full q . k scores (the same softmax statistics in every chunk).
+template <int kHeadDim_, bool kDecode_, int kGroups_ = 1, int kWarps_ = 4, int kKVBytes_ = 2,
+          int kHeadDimV_ = kHeadDim_>
 struct PagedAttentionTraits {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr int kVChunks = kHeadDimV > 256 ? kHeadDimV / 256 : 1;
+  static constexpr int kVColumns = kHeadDimV / kVChunks;  // of one block
+  static_assert(kVColumns * kVChunks == kHeadDimV && kVColumns % 32 == 0,
+                "v columns: chunks of whole 32-column pairs of k16 steps");
+  // The row layout and register budget follow the larger of q/k's rows and the block's v
+  // columns (equal for every row but (192, 128), which is sized as 128 where O decides).
+  static constexpr bool kEqualDims = kHeadDim == kHeadDimV;
   static constexpr bool kDecode = kDecode_;
   static constexpr int kWarps = kWarps_;
   static_assert(kWarps == 4 || (kWarps == 8 && kDecode && kGroups_ == 1),
@@ -59,17 +72,21 @@ struct PagedAttentionTraits {
   static constexpr int kKVBytes = kKVBytes_;
   static constexpr bool kFp8 = kKVBytes == 1;
   static_assert(kKVBytes == 2 || kKVBytes == 1, "16-bit or FP8 K/V tiles");
-  static constexpr int kKVChunksPerRow = kHeadDim * kKVBytes / 16;  // of a K or V row
+  static constexpr int kKVChunksPerRow = kHeadDim * kKVBytes / 16;  // of a K row (V: equal dims)
+  static constexpr int kVChunksPerRow = kVColumns * kKVBytes / 16;  // of a block's V columns
   static constexpr int kKVChunkElements = 16 / kKVBytes;
 
-  // Decode: 16 rows per block. Prefill: 2 row blocks of 16 per warp up to D = 128 (registers:
-  // O 2x16xD fp32 + S 2x16x64 fp32 fit in 255), 1 at D = 256.
-  static constexpr int kRowBlocksPerWarp = kDecode ? 1 : (kHeadDim <= 128 ? 2 : 1);
+  // Decode: 16 rows per block. Prefill: 2 row blocks of 16 per warp up to 128 v columns
+  // (registers: O 2x16x128 fp32 + S 2x16x64 fp32 fit in 255; q's fragments are read per k step),
+  // 1 above.
+  static constexpr int kRowBlocksPerWarp = kDecode ? 1 : (kVColumns <= 128 ? 2 : 1);
   static constexpr int kBlockRows = kDecode ? 16 : kWarps * 16 * kRowBlocksPerWarp;
 
   // K/V tile: kv positions per pipeline stage. Decode splits it across the warps (16 each; 32
   // with an FP8 cache, so that a stage holds as many bytes in flight as a 16-bit one).
-  static constexpr int kTileN = kDecode ? (kFp8 ? 32 : 16) * kWarps : (kHeadDim <= 128 ? 64 : 32);
+  // Prefill: 64 positions where O and S both fit (v columns and q/k rows up to 128), else 32.
+  static constexpr int kTileN =
+      kDecode ? (kFp8 ? 32 : 16) * kWarps : (kVColumns <= 128 && kHeadDim <= 128 ? 64 : 32);
   static constexpr int kWarpTileN = kDecode ? kTileN / kWarps : kTileN;
 
   // Pipeline depth: 2 stages (the tile being waited for and the next one). Decode has room for 3
@@ -91,28 +108,36 @@ struct PagedAttentionTraits {
       kDecode && is_power_of_two(kKVChunksPerRow) && kKVChunksPerRow >= 8;
   static constexpr int kKVRowStride = kKVSwizzle ? kHeadDim : kHeadDim + kKVChunkElements;
   static constexpr bool kWgmmaTiles = false;  // K/V tile layout (kv_tile_loader.cuh)
-  static constexpr int kTileElements = kTileN * kKVRowStride;
-  static constexpr int kKVSmemElements = kStages * kTileElements;  // per K and per V
+  static constexpr int kTileElements = kTileN * kKVRowStride;      // of K (and V: equal dims)
+  static constexpr int kKVSmemElements = kStages * kTileElements;  // K's stages
+  // V rows of the block's kVColumns (the same as K's where the dims are equal).
+  static constexpr bool kVSwizzle =
+      kDecode && is_power_of_two(kVChunksPerRow) && kVChunksPerRow >= 8;
+  static constexpr int kVRowStride = kVSwizzle ? kVColumns : kVColumns + kKVChunkElements;
+  static constexpr int kVTileElements = kTileN * kVRowStride;
+  static constexpr int kVSmemElements = kStages * kVTileElements;  // V's stages
   // Decode splits merged in a thread-block cluster: 2 (plan.h says why). The
   // epilogue's incoming region (at the end of shared memory, outside the K/V stages, which the
   // peer may still be reading) receives the peer's states of this block's half of the columns:
   // 16 rows x D / 2 floats of output, then 16 maxima and 16 sums.
   static constexpr int kClusterSplits = 2;
-  static constexpr int kIncomingBytes = kDecode ? (16 * kHeadDim / kClusterSplits + 32) * 4 : 0;
+  static constexpr int kIncomingBytes = kDecode ? (16 * kVColumns / kClusterSplits + 32) * 4 : 0;
   // Page ids from a ring in shared memory instead of registers (kv_tile_loader.cuh): the eight-warp
   // decode block. A single group per SM waits for its page ids where two groups hide that wait
   // behind each other. The ring holds kPageIdSlots tiles of kTileN ids (one per row, at page size
   // 1), after the V stages.
-  static constexpr bool kPageIdRing = kDecode && kWarps == 8;
+  // D = 512's 4-warp decode block takes the ring too: page ids in registers for its K and V
+  // copies (32 and 16 rows a thread) spilled.
+  static constexpr bool kPageIdRing = kDecode && (kWarps == 8 || kHeadDim > 256);
   static constexpr int kPageIdSlots = kPageIdRing ? 2 * kStages : 0;
   static constexpr int kPageIdBytes = kPageIdSlots * kTileN * 4;
 
   // Decode merge across warps reuses the K/V region: kWarps x 16 rows x (D + 4) floats (+4 pads
   // rows so the float2 stores of a warp hit distinct banks) plus m and l per row. The region is
   // the larger of the two (the 16-bit stages always are; FP8 stages of D = 128 are not).
-  static constexpr int kMergeRowStride = kHeadDim + 4;
+  static constexpr int kMergeRowStride = kVColumns + 4;
   static constexpr int kMergeBytes = kWarps * 16 * (kMergeRowStride + 2) * 4;
-  static constexpr int kKVStagesBytes = 2 * kKVSmemElements * kKVBytes;  // K and V
+  static constexpr int kKVStagesBytes = (kKVSmemElements + kVSmemElements) * kKVBytes;
   static constexpr int kKVRegionBytes =
       kDecode && kMergeBytes > kKVStagesBytes ? kMergeBytes : kKVStagesBytes;
   static constexpr int kSmemBytes =
@@ -124,8 +149,9 @@ struct PagedAttentionTraits {
   // on: 4 at D = 64, 2 at D = 96 and 128, 1 at D = 256; 1 eight-warp block. A block reserves just
   // over 1 / (n + 1) of an H100/H200 SM's 228 KB of shared memory (rounded up to 128 bytes), so
   // that no more than n fit (decisions.md, "Decode residency per head dim").
+  // (192, 128): 2, its K and V rows averaging 160 elements.
   static constexpr int kDecodeBlocksPerSm =
-      kWarps == 8 ? 1 : (kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 2 : 1));
+      kWarps == 8 ? 1 : (kHeadDim + kVColumns <= 128 ? 4 : (kHeadDim + kVColumns <= 320 ? 2 : 1));
   static constexpr int kShareOfOneBlockMoreBytes =
       kSmSharedMemoryBytes / (kDecodeBlocksPerSm + 1) - kSharedMemoryReservedPerBlock;
   static constexpr int kMinSmemBytes = kDecode ? (kShareOfOneBlockMoreBytes / 128 + 1) * 128 : 0;
@@ -161,18 +187,21 @@ struct PagedAttentionTraits {
   static_assert(kHeadDim % 16 == 0, "mma k-steps of 16");
   static_assert(kWarpTileN % 16 == 0, "P V consumes kv positions 16 at a time");
   static_assert((kTileN * kKVChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
+  static_assert((kTileN * kVChunksPerRow) % kThreads == 0, "tile copy must divide evenly");
+  static_assert(kEqualDims || (kWarps == 4 && kGroups_ == 1),
+                "different q/k and v head dims: the 4-warp decode and the mma.sync prefill");
 };
 
 // Traits of the decode forms (plan.h's DecodeForm): 4-warp blocks (also the split and cluster
 // forms), block pairs, eight-warp blocks (also the persistent decode's block).
-template <int kHeadDim, int kKVBytes = 2>
-using DecodeTraits = PagedAttentionTraits<kHeadDim, true, 1, 4, kKVBytes>;
+template <int kHeadDim, int kKVBytes = 2, int kHeadDimV = kHeadDim>
+using DecodeTraits = PagedAttentionTraits<kHeadDim, true, 1, 4, kKVBytes, kHeadDimV>;
 template <int kHeadDim, int kKVBytes = 2>
 using DecodePairTraits = PagedAttentionTraits<kHeadDim, true, 2, 4, kKVBytes>;
 template <int kHeadDim, int kKVBytes = 2>
 using DecodeEightWarpTraits = PagedAttentionTraits<kHeadDim, true, 1, 8, kKVBytes>;
-template <int kHeadDim, int kKVBytes = 2>
-using PrefillTraits = PagedAttentionTraits<kHeadDim, false, 1, 4, kKVBytes>;
+template <int kHeadDim, int kKVBytes = 2, int kHeadDimV = kHeadDim>
+using PrefillTraits = PagedAttentionTraits<kHeadDim, false, 1, 4, kKVBytes, kHeadDimV>;
 
 // Shared memory of the persistent decode block (decode_persistent_kernel.cuh): two query
 // buffers, the K and V stages and the page-id ring as the eight-warp block has them, then the
