@@ -434,7 +434,8 @@ TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
     plan.error = "top-k: tokens x kv heads must be 1 to 2^31 - 1";
     return plan;
   }
-  const DecodeFootprint footprint = decode_footprint(shape.head_dim, shape.kv_bytes);
+  const DecodeFootprint footprint =
+      decode_footprint(forms->head_dim, forms->head_dim_v, shape.kv_bytes);
   const int64_t items =
       decode_items(static_cast<int>(std::min<int64_t>(shape.num_tokens, INT32_MAX)),
                    shape.num_q_heads, shape.num_kv_heads);
