@@ -302,7 +302,8 @@ def test_the_environment_variable_is_read_at_load_as_a_switch():
 
 def test_compiled_calls_recompile_when_the_mode_changes():
     """The torch_native backend is decomposed when a graph is traced: a graph traced in one mode
-    must not run in the other (the Python API reads the switch where dynamo guards on it)."""
+    must not run in the other (the Python API reads the switch where dynamo guards on it). One
+    frame (fullgraph): a guard that fails recompiles it, which calls the backend again."""
     torch._dynamo.reset()  # earlier compiles in this process may have used up the recompile limit
     traced = []
 
@@ -313,7 +314,7 @@ def test_compiled_calls_recompile_when_the_mode_changes():
     cache = ae.PagedKVCache(1, 16, 4, 2, 8, dtype=torch.float32)
     cache.begin_step([0, 1], [3, 5])
 
-    @torch.compile(backend=counting_backend, fullgraph=False)
+    @torch.compile(backend=counting_backend, fullgraph=True)
     def step(q):
         return ae.attention(
             q, None, None, kv_cache=cache, fwd="prefill", is_causal=True, backend="torch_native"

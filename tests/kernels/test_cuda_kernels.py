@@ -407,10 +407,11 @@ def launched_kernel_names(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-# PagedAttentionTraits<head dim, decode, blocks per pair, warps, KV element bytes>: 16-bit KV.
-PAIR_KERNEL = "PagedAttentionTraits<128, true, 2, 4, 2>"
-SINGLE_KERNEL = "PagedAttentionTraits<128, true, 1, 4, 2>"
-EIGHT_WARP_KERNEL = "PagedAttentionTraits<128, true, 1, 8, 2>"
+# PagedAttentionTraits<head dim, decode, blocks per pair, warps, KV element bytes, v head dim>:
+# 16-bit KV.
+PAIR_KERNEL = "PagedAttentionTraits<128, true, 2, 4, 2, 128>"
+SINGLE_KERNEL = "PagedAttentionTraits<128, true, 1, 4, 2, 128>"
+EIGHT_WARP_KERNEL = "PagedAttentionTraits<128, true, 1, 8, 2, 128>"
 
 
 @pytest.mark.skipif(
@@ -425,7 +426,7 @@ EIGHT_WARP_KERNEL = "PagedAttentionTraits<128, true, 1, 8, 2>"
         (2, 128, "pairs", PAIR_KERNEL),
         (16, 128, "cluster", SINGLE_KERNEL),
         (16, 128, "kernel", "paged_decode_merge_kernel"),
-        (2, 64, "pairs", "PagedAttentionTraits<64, true, 1, 4, 2>"),  # 4 per SM: no pair kernel
+        (2, 64, "pairs", "PagedAttentionTraits<64, true, 1, 4, 2, 64>"),  # 4 per SM: no pair kernel
         (16, 128, "auto", EIGHT_WARP_KERNEL),  # the pairs' grid, a short block table: 1 split
     ],
 )
@@ -486,7 +487,7 @@ def test_decode_forced_one_split_runs_eight_warp_blocks(tuning):
     g = torch.Generator(device="cuda").manual_seed(43)
     for head_dim, expected in (
         (128, EIGHT_WARP_KERNEL),
-        (64, "PagedAttentionTraits<64, true, 1, 4, 2>"),
+        (64, "PagedAttentionTraits<64, true, 1, 4, 2, 64>"),
     ):
         batch = PagedBatch([300, 1500], [1, 1], 8, 2, head_dim, 16, torch.bfloat16, generator=g)
         names = launched_kernel_names(lambda batch=batch: run_decode(batch))
