@@ -52,6 +52,21 @@ def cuda_op(
     )
 
 
+def captured_graph(step):
+    """A CUDA graph of one call of ``step`` and what that call returned (the static outputs a
+    replay refills). ``step`` runs once on a side stream first, as capture requires, so that
+    its workspace is allocated before the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 @pytest.fixture
 def tuning():
     """Sets the kernel tuning for one test (a comma-separated string, see plan.h), automatic

@@ -24,7 +24,7 @@ from tests.extension.test_batch_invariance import (
     run_call,
     same_bits,
 )
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import captured_graph, cuda_op
 from tests.kernels.test_cuda_kernels import HEAD_DIMS, PagedBatch
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -113,14 +113,7 @@ def test_cuda_graph_replays_give_the_eager_alone_bits_at_every_position(kind, fp
                 **args,
             )
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out, static_lse = step()
+        graph, (static_out, static_lse) = captured_graph(step)
         for place in range(8):
             # The target's tokens over sequence `place`'s pages (each table row holds enough).
             page = shape.page_size

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from astrai.extension import ops  # loads the library, registers the ops
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import captured_graph, cuda_op
 from tests.reference import paged_reference
 
 cuda = pytest.mark.cuda
@@ -677,14 +677,7 @@ def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, tuning):
         True,
         scale,
     )
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cuda_op(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, _ = cuda_op(*args)
+    graph, (static_out, _) = captured_graph(lambda: cuda_op(*args))
     for lens in ([3, 1, 17, 100], [64, 65, 700, 1000], [2048, 129, 4000, 4096]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))

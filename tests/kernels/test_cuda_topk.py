@@ -21,7 +21,7 @@ import torch
 
 from astrai.extension import ops
 from tests.extension.test_batch_invariance import batch_invariant
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import captured_graph, cuda_op
 from tests.kernels.test_cuda_fp8 import Fp8Batch
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
@@ -358,14 +358,7 @@ def test_cuda_graph_replay_with_changing_indices_and_lengths(splits, tuning):
             topk_indices=static_indices,
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = captured_graph(step)
     for lens in ([3, 1, 17, 100], [64, 65, 700, 1000], [2048, 129, 4000, 4096]):
         batch.seq_lens_list = lens
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))

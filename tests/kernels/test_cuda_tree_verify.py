@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import captured_graph, cuda_op
 from tests.kernels.test_cuda_fp8 import Fp8Batch
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
@@ -201,14 +201,7 @@ def test_cuda_graph_replay_with_changing_trees_and_lengths(form, tuning):
             tree_mask=static_tree,
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = captured_graph(step)
     for lens in ([5, 30, 1000], [64, 700, 2048], [4096, 129, 3000]):
         trees = [tree_of_drafts(random_tree_parents(drafts, cpu)) for _ in range(3)]
         static_tree.copy_(pack_tree_masks(trees, drafts))

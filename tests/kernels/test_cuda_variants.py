@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import captured_graph, cuda_op
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
@@ -268,14 +268,7 @@ def test_decode_variants_under_cuda_graph_replay_with_growing_lengths(splits, me
         sinks,
         True,
     )
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cuda_op(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = cuda_op(*args)
+    graph, (static_out, static_lse) = captured_graph(lambda: cuda_op(*args))
     for lens in ([3, 1, 17, 100], [64, 600, 700, 1000], [2048, 129, 4000, 4096]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))
