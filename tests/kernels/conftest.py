@@ -52,6 +52,21 @@ def cuda_op(
     )
 
 
+def batch_cuda_op(batch, q, *args, **kwargs):
+    """cuda_op over ``batch``'s pools and step metadata (test_cuda_kernels.PagedBatch, or an
+    Fp8Batch over one) for queries q; the other arguments are cuda_op's from max_query_len on."""
+    return cuda_op(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        *args,
+        **kwargs,
+    )
+
+
 def captured_graph(step):
     """A CUDA graph of one call of ``step`` and what that call returned (the static outputs a
     replay refills). ``step`` runs once on a side stream first, as capture requires, so that

@@ -24,7 +24,7 @@ from tests.extension.test_batch_invariance import (
     run_call,
     same_bits,
 )
-from tests.kernels.conftest import captured_graph, cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_kernels import HEAD_DIMS, PagedBatch
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -154,13 +154,9 @@ def test_a_decode_splits_into_fixed_tiles_whose_extra_splits_add_nothing():
     wide = PagedBatch([50, 9000], [1, 1], 32, 8, 128, 16, torch.bfloat16, generator=g)
     scale = 1.0 / math.sqrt(128)
     with batch_invariant(True):
-        out_wide, _ = cuda_op(
+        out_wide, _ = batch_cuda_op(
+            wide,
             wide.q,
-            wide.k_cache,
-            wide.v_cache,
-            wide.block_table,
-            wide.seq_lens,
-            wide.query_start_loc,
             1,
             True,
             None,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from astrai.extension import ops  # loads the library, registers the ops
-from tests.kernels.conftest import captured_graph, cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.reference import paged_reference
 
 cuda = pytest.mark.cuda
@@ -154,36 +154,28 @@ def output_shape(batch, q):
 def run_decode(batch, attn_mask=None, is_causal=True, scale=None):
     poison_next_allocation(output_shape(batch, batch.q), batch.q.dtype)
     scale = 1.0 / math.sqrt(batch.q.shape[-1]) if scale is None else scale
-    return attention_op(
+    return batch_cuda_op(
+        batch,
         batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         1,
         True,
         attn_mask,
         is_causal,
         scale,
-    )
+    )[0]
 
 
 def run_prefill(batch, q, scale, is_causal=True, attn_mask=None):
     poison_next_allocation(output_shape(batch, q), q.dtype)
-    return attention_op(
+    return batch_cuda_op(
+        batch,
         q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(batch.q_lens_list),
         False,
         attn_mask,
         is_causal,
         scale,
-    )
+    )[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -380,19 +372,15 @@ def test_any_scale_sign(decode, scale, prefill_kernel):
     q_lens = [1, 1, 1] if decode else [300, 64, 9]
     batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
     poison_next_allocation(batch.q.shape, batch.q.dtype)
-    out = attention_op(
+    out = batch_cuda_op(
+        batch,
         batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(q_lens),
         decode,
         None,
         True,
         scale,
-    )
+    )[0]
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
@@ -1012,13 +1000,9 @@ def test_new_head_dims_return_the_lse_once_per_row(head_dims):
         lens = [n + 300 for n in q_lens]
         batch = PagedBatch(lens, q_lens, 8, 2, d, 16, torch.bfloat16, generator=g, head_dim_v=dv)
         scale = 1.0 / math.sqrt(d)
-        out, lse = cuda_op(
+        out, lse = batch_cuda_op(
+            batch,
             batch.q,
-            batch.k_cache,
-            batch.v_cache,
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
             max(q_lens),
             q_lens == [1, 1, 1],
             None,

@@ -21,7 +21,7 @@ import torch
 
 from astrai.extension import ops
 from tests.extension.test_batch_invariance import batch_invariant
-from tests.kernels.conftest import captured_graph, cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_fp8 import Fp8Batch
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
@@ -434,13 +434,9 @@ def test_a_tree_mask_and_the_listed_keys_both_apply():
     scale = 1.0 / math.sqrt(128)
     poison_next_allocation(batch.q.shape, batch.q.dtype)
     args = (batch, batch.q, indices, False, scale)
-    out, lse = cuda_op(
+    out, lse = batch_cuda_op(
+        batch,
         batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(batch.q_lens_list),
         False,
         None,

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import captured_graph, cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_fp8 import Fp8Batch
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
@@ -67,13 +67,9 @@ def tree_batch(prefixes, drafts, hq, hkv, head_dim, page_size, dtype, seed, fp8=
 
 def run(batch, q, tree_mask, scale, window_left=-1, softcap=None, sinks=None):
     poison_next_allocation(q.shape, q.dtype)
-    return cuda_op(
+    return batch_cuda_op(
+        batch,
         q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(batch.q_lens_list),
         False,
         None,
@@ -143,13 +139,9 @@ def test_verify_rows_past_max_query_len_are_nan_as_a_prefills():
         torch.ops.astr.set_kernel_tuning("verify_form=always," + splits)
         try:
             poison_next_allocation(batch.q.shape, batch.q.dtype)
-            out, _ = cuda_op(
+            out, _ = batch_cuda_op(
+                batch,
                 batch.q,
-                batch.k_cache,
-                batch.v_cache,
-                batch.block_table,
-                batch.seq_lens,
-                batch.query_start_loc,
                 4,
                 False,
                 None,

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import captured_graph, cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
@@ -64,13 +64,9 @@ def run(
 ):
     """The cuda op over the batch's pools (an FP8 batch passes its scales), output poisoned."""
     poison_next_allocation((*q.shape[:-1], batch.v_cache.shape[-1]), q.dtype)
-    return cuda_op(
+    return batch_cuda_op(
+        batch,
         q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         1 if decode else max(batch.q_lens_list),
         decode,
         attn_mask,
