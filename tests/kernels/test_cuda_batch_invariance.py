@@ -30,10 +30,8 @@ from tests.kernels.test_cuda_kernels import HEAD_DIMS, PagedBatch
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 GPU_PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)

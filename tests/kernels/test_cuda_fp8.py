@@ -23,10 +23,8 @@ from tests.kernels.test_cuda_variants import run as run_variant
 from tests.kernels.test_cuda_variants import variant_reference
 from tests.reference import quantize
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # How an FP8 prefill runs (plan.h): on pages the binding dequantizes first, or reading the bytes

@@ -16,11 +16,8 @@ from astrai.extension import ops  # loads the library, registers the ops
 from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.reference import paged_reference
 
-cuda = pytest.mark.cuda
-pytestmark = [
-    cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
