@@ -19,7 +19,6 @@ FlashInfer's FP8 decode is a peer of the main benchmark:
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -71,15 +70,11 @@ def decode_bytes(batch, length, kv_bytes):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = harness.timing_parser(__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
-    copy_bytes, copy_ms = harness.copy_rate(timer)
-    copy_tbps = copy_bytes / copy_ms / 1e9
+    copy_tbps = harness.copy_tbps(timer)
     print(f"copy rate {copy_tbps:.2f} TB/s")
     rows = []
     for batch, length in DECODE_ROWS if args.only != "prefill" else []:

@@ -17,7 +17,6 @@ prefill of S tokens is B * H * S^2 * (Dqk + Dv).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -123,15 +122,11 @@ def prefill_row(timer, d, dv, seq, with_cudnn):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = harness.timing_parser(__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
-    copy_bytes, copy_ms = harness.copy_rate(timer)
-    copy_tbps = copy_bytes / copy_ms / 1e9
+    copy_tbps = harness.copy_tbps(timer)
     print(f"copy rate {copy_tbps:.2f} TB/s")
     rows = []
     for batch, length in DECODE_ROWS if args.only != "prefill" else []:

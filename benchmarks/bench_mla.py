@@ -22,7 +22,6 @@ Writes mla_<GPU>_<date>.json and .md (with the command) under --out.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -123,14 +122,11 @@ def sdpa_call(heads: int, batch: int, length: int, tokens: int):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.timing_parser(__doc__.splitlines()[0], repeats=20, warmup=3)
     parser.add_argument("--heads", type=ints, default=[128, 16])
     parser.add_argument("--batches", type=ints, default=[1, 16, 64, 128])
     parser.add_argument("--lengths", type=ints, default=[1024, 4096, 16384, 32768])
     parser.add_argument("--tokens", type=ints, default=[1, 2])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
     ceilings = harness.measure_ceilings(timer)

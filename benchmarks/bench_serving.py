@@ -17,7 +17,6 @@ Writes serving_<GPU>_<date>.json and .md with the command, GPU, torch and CUDA v
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -122,10 +121,7 @@ def verify_case(batch: int, length: int, drafts: int):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = harness.timing_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
     rows = []

@@ -14,7 +14,6 @@ Writes topk_<GPU>_<date>.json and .md with the command, GPU, torch and CUDA vers
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -84,10 +83,7 @@ def prefill_calls(prompt: int):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = harness.timing_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
     rows = []

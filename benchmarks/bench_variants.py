@@ -15,7 +15,6 @@ Writes variants_<GPU>_<date>.json and .md with the command, GPU, torch and CUDA 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -82,10 +81,7 @@ def prefill_call(prefixes, chunks, head_dim: int = D):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = harness.timing_parser(__doc__.splitlines()[0])
     args = parser.parse_args()
     timer = harness.Timer(args.warmup, args.repeats)
     rows = []

@@ -9,6 +9,7 @@ flushes nothing, which is what the CPU tests in tests/benchmarks/ exercise.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -321,6 +322,16 @@ class Timer:
         return [summarize_times(s) for s in samples]
 
 
+def timing_parser(description: str, repeats: int = 30, warmup: int = 5) -> argparse.ArgumentParser:
+    """A benchmark's command line with the options every timed table takes (--out, the results
+    folder; --repeats; --warmup), for the benchmark to add its own to."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    return parser
+
+
 def copy_rate(timer: Timer, nbytes: int = 4 << 30) -> Tuple[int, float]:
     """A device-to-device copy of `nbytes` (bf16): returns the bytes read + written and the
     median ms of 20 runs (no flush: the copy itself streams far more than L2 holds)."""
@@ -328,6 +339,13 @@ def copy_rate(timer: Timer, nbytes: int = 4 << 30) -> Tuple[int, float]:
     dst = torch.empty_like(src)
     timing = timer.measure(lambda: dst.copy_(src), flush=False, repeats=20)
     return 2 * src.numel() * src.element_size(), timing["ms"]
+
+
+def copy_tbps(timer: Timer) -> float:
+    """The device's copy rate in TB/s (copy_rate's bytes over its time): a memory-bound
+    kernel's ceiling."""
+    copy_bytes, copy_ms = copy_rate(timer)
+    return copy_bytes / copy_ms / 1e9
 
 
 def matmul_rate(timer: Timer, n: int = 8192) -> Tuple[int, float]:

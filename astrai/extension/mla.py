@@ -23,7 +23,6 @@ The backend is chosen as for ``attention``: ``backend=``, an ``attn_backend(...)
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import torch
@@ -46,9 +45,11 @@ def _op_arguments(
     is_causal,
     backend: BackendSpec,
     ckv_scale,
+    return_lse,
 ) -> tuple:
-    """(positional, keyword) arguments of the op for one call; the selection is what the call
-    observed (``astrai.extension.selection``), handed over as the op's typed arguments."""
+    """(positional, keyword) arguments of the op for one call of ``mla_attention`` or
+    ``explain_mla`` (which take the same parameters); the selection is what the call observed
+    (``astrai.extension.selection``), handed over as the op's typed arguments."""
     selection = observe(backend)
     if selection.python_backend is not None:
         raise ValueError(
@@ -72,6 +73,8 @@ def _op_arguments(
         keywords["is_causal"] = False
     if ckv_scale is not None:
         keywords["ckv_scale"] = ckv_scale
+    if return_lse:
+        keywords["return_lse"] = True
     return positional, keywords
 
 
@@ -94,23 +97,8 @@ def mla_attention(
     """Latent attention over a paged latent cache (module docstring). Returns out ``[T, H, Dc]``
     in q's dtype, or ``(out, lse)`` with ``return_lse``: lse float32 ``[T, H]``, the natural log
     of each row's softmax denominator (-inf for a row that sees no position, whose out is 0)."""
-    positional, keywords = _op_arguments(
-        q_nope,
-        q_rope,
-        ckv_cache,
-        krope_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        mode,
-        scale,
-        is_causal,
-        backend,
-        ckv_scale,
-    )
-    if return_lse:
-        return torch.ops.astr.mla_attention(*positional, **keywords, return_lse=True)
+    # locals() here is exactly the call's parameters, by name.
+    positional, keywords = _op_arguments(**locals())
     return torch.ops.astr.mla_attention(*positional, **keywords)
 
 
@@ -131,29 +119,6 @@ def explain_mla(
     return_lse: bool = False,
 ) -> Decision:
     """The resolver's decision for an ``mla_attention`` call, without running it."""
-    positional, keywords = _op_arguments(
-        q_nope,
-        q_rope,
-        ckv_cache,
-        krope_cache,
-        block_table,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        mode,
-        scale,
-        is_causal,
-        backend,
-        ckv_scale,
-    )
-    if return_lse:
-        keywords["return_lse"] = True
-    data = json.loads(torch.ops.astr.explain_mla(*positional, **keywords))
-    return Decision(
-        data["backend"],
-        data["source"],
-        data["requested"],
-        data["fell_back"],
-        data["error"],
-        data["reasons"],
-    )
+    # locals() here is exactly the call's parameters, by name.
+    positional, keywords = _op_arguments(**locals())
+    return Decision.from_json(torch.ops.astr.explain_mla(*positional, **keywords))

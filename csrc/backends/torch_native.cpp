@@ -271,6 +271,34 @@ AttentionResult torch_native_dense(const AttentionArgs& a) {
   return {out.contiguous(), a.return_lse ? lse.contiguous() : at::Tensor()};
 }
 
+at::Tensor sequences_in_range(const at::Tensor& table, const at::Tensor& seq_len,
+                              const at::Tensor& q_len, int64_t page_size, int64_t num_pages,
+                              int64_t max_q, const std::optional<at::Tensor>& query_start_loc,
+                              int64_t tokens) {
+  const int64_t batch = table.size(0), width = table.size(1);
+  const at::Tensor pages_used = (seq_len + page_size - 1).div(page_size, "floor");
+  const at::Tensor used =
+      at::arange(width, table.options()).view({1, width}) < pages_used.view({-1, 1});
+  const at::Tensor bad_page = used.logical_and(table.lt(0).logical_or(table.ge(num_pages)));
+  at::Tensor valid = bad_page.any(1).logical_not();
+  valid = valid.logical_and(seq_len.le(width * page_size)).logical_and(seq_len.ge(q_len));
+  valid = valid.logical_and(seq_len.ge(0));
+  valid = valid.logical_and(q_len.ge(0)).logical_and(q_len.le(max_q));
+  if (query_start_loc) {
+    // query_start_loc places every token of q only if it runs from 0 to T without decreasing;
+    // otherwise tokens belong to no sequence or to two, and no row of the batch can be trusted.
+    // Checked here too because compiled code runs no host checks (describe_call.cpp skips values
+    // it cannot read while tracing).
+    const at::Tensor starts = query_start_loc->to(at::kLong);
+    const at::Tensor placed = starts.select(0, 0)
+                                  .eq(0)
+                                  .logical_and(starts.select(0, batch).eq(tokens))
+                                  .logical_and(q_len.ge(0).all());
+    valid = valid.logical_and(placed);
+  }
+  return valid;
+}
+
 AttentionResult torch_native_paged(const AttentionArgs& a) {
   const at::Tensor& q = a.q;  // [T,Hq,D]
   const at::Tensor& k_cache = *a.k_cache;
@@ -406,25 +434,9 @@ AttentionResult torch_native_paged(const AttentionArgs& a) {
   out = out.transpose(1, 2);  // [B, max_q, Hq, Dv]
 
   // Poison sequences whose metadata is out of range (checked with tensor ops: no host sync).
-  const at::Tensor pages_used = (seq_len + page_size - 1).div(page_size, "floor");
-  const at::Tensor used = at::arange(width, long_opts).view({1, width}) < pages_used.view({-1, 1});
-  const at::Tensor bad_page = used.logical_and(table.lt(0).logical_or(table.ge(num_pages)));
-  at::Tensor valid = bad_page.any(1).logical_not();
-  valid = valid.logical_and(seq_len.le(capacity)).logical_and(seq_len.ge(q_len));
-  valid = valid.logical_and(seq_len.ge(0));
-  valid = valid.logical_and(q_len.ge(0)).logical_and(q_len.le(max_q));
-  if (!a.decode()) {
-    // query_start_loc places every token of q only if it runs from 0 to T without decreasing;
-    // otherwise tokens belong to no sequence or to two, and no row of the batch can be trusted.
-    // Checked here too because compiled code runs no host checks (describe_call.cpp skips values
-    // it cannot read while tracing).
-    const at::Tensor starts = a.query_start_loc->to(at::kLong);
-    const at::Tensor placed = starts.select(0, 0)
-                                  .eq(0)
-                                  .logical_and(starts.select(0, batch).eq(tokens))
-                                  .logical_and(q_len.ge(0).all());
-    valid = valid.logical_and(placed);
-  }
+  const at::Tensor valid =
+      sequences_in_range(table, seq_len, q_len, page_size, num_pages, max_q,
+                         a.decode() ? std::nullopt : a.query_start_loc, tokens);
   out = at::where(valid.view({batch, 1, 1, 1}), out, at::full({}, kNaN, out.options()));
   out = out.index({seq_of_token, pos_of_token}).to(q.scalar_type());  // [T, Hq, Dv]
   if (bad_tokens.defined()) {

@@ -12,6 +12,7 @@
 #include <limits>
 #include <optional>
 
+#include "backends/backends.h"
 #include "backends/mla.h"
 
 namespace astr {
@@ -99,25 +100,10 @@ AttentionResult torch_native_mla(const MlaAttentionArgs& a) {
   at::Tensor out = at::matmul(probs, latents).view({batch, max_q, heads, -1});
   at::Tensor lse = at::where(seen, at::log(safe_sum) + top, at::full_like(sum, -kInf)).squeeze(-1);
 
-  // Poison sequences whose metadata is out of range (tensor ops: no host sync), as
-  // torch_native_paged does: a page id outside the pool among the pages a sequence uses, a
-  // length past its block-table row or below its new tokens, more new tokens than
-  // max_query_len; and, for a prefill, every sequence when query_start_loc does not run from 0
-  // to T without decreasing.
-  const at::Tensor pages_used = (seq_len + page_size - 1).div(page_size, "floor");
-  const at::Tensor used = at::arange(width, long_opts).view({1, width}) < pages_used.view({-1, 1});
-  const at::Tensor bad_page = used.logical_and(table.lt(0).logical_or(table.ge(num_pages)));
-  at::Tensor valid = bad_page.any(1).logical_not();
-  valid = valid.logical_and(seq_len.le(capacity)).logical_and(seq_len.ge(q_len));
-  valid = valid.logical_and(seq_len.ge(0));
-  valid = valid.logical_and(q_len.ge(0)).logical_and(q_len.le(max_q));
-  if (!a.decode()) {
-    const at::Tensor placed = starts.select(0, 0)
-                                  .eq(0)
-                                  .logical_and(starts.select(0, batch).eq(tokens))
-                                  .logical_and(q_len.ge(0).all());
-    valid = valid.logical_and(placed);
-  }
+  // Poison sequences whose metadata is out of range, as torch_native_paged does.
+  const at::Tensor valid =
+      sequences_in_range(table, seq_len, q_len, page_size, num_pages, max_q,
+                         a.decode() ? std::nullopt : std::optional<at::Tensor>(starts), tokens);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   out = at::where(valid.view({batch, 1, 1, 1}), out, at::full({}, nan, out.options()));
   out = out.index({seq_of_token, pos_of_token}).to(q_nope.scalar_type());  // [T, H, Dc]

@@ -33,11 +33,7 @@ void append_kv_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   const at::Tensor slot = slot_mapping.to(at::kLong);
   const at::Tensor keep = slot.ge(0);
   const at::Tensor kept = slot.masked_select(keep);
-  if (kept.numel() > 0) {
-    const int64_t largest = kept.max().item<int64_t>();
-    ASTR_CHECK(largest < slots, "slot_mapping: slot ", largest, " is out of range for a pool of ",
-               slots, " slots (", k_cache.size(0), " pages x ", k_cache.size(1), ")");
-  }
+  check_slots_in_pool(kept, k_cache);
   if (is_fp8(k_cache.scalar_type())) {
     // Written as bytes: the FP8 values quantized from the kept tokens.
     const at::Tensor k_bytes = quantized(k.index({keep}), *k_scale, k_cache.scalar_type());

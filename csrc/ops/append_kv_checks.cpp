@@ -12,27 +12,6 @@
 
 namespace astr {
 
-namespace {
-
-// "[3, 2, 16]", "?" for a size only known symbolically.
-std::string sizes_string(const at::Tensor& t) {
-  std::string text = "[";
-  const auto sizes = t.sym_sizes();
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (d) text += ", ";
-    const auto value = sizes[d].maybe_as_int();
-    text += value ? std::to_string(*value) : std::string("?");
-  }
-  return text + "]";
-}
-
-std::string size_string(const c10::SymInt& size) {
-  const auto value = size.maybe_as_int();
-  return value ? std::to_string(*value) : std::string("?");
-}
-
-}  // namespace
-
 void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                           const std::optional<at::Tensor>& k_scale,
@@ -104,20 +83,33 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
              size_string(v_cache.sym_size(2)), ", ", size_string(v_cache.sym_size(3)), "]");
   ASTR_CHECK(v.sym_size(0) == k.sym_size(0), "v: ", size_string(v.sym_size(0)), " tokens, k has ",
              size_string(k.sym_size(0)));
+  check_slot_mapping(slot_mapping, k_cache, "k_cache", k.sym_size(0));
+}
+
+void check_slot_mapping(const at::Tensor& slot_mapping, const at::Tensor& cache,
+                        const char* cache_name, const c10::SymInt& tokens) {
   // An int32 slot_mapping addresses slots 0 .. 2^31 - 1: a larger pool could not be filled.
-  const auto pages = k_cache.sym_size(0).maybe_as_int();
-  const auto page_size = k_cache.sym_size(1).maybe_as_int();
+  const auto pages = cache.sym_size(0).maybe_as_int();
+  const auto page_size = cache.sym_size(1).maybe_as_int();
   if (pages && page_size) {
-    ASTR_CHECK(*pages * *page_size <= kMaxPoolSlots, "k_cache: a pool of ", *pages * *page_size,
-               " slots (", *pages, " pages x ", *page_size,
+    ASTR_CHECK(*pages * *page_size <= kMaxPoolSlots, cache_name, ": a pool of ",
+               *pages * *page_size, " slots (", *pages, " pages x ", *page_size,
                ") is more than an int32 slot_mapping addresses (at most 2^31 - 1 = ", kMaxPoolSlots,
                " slots)");
   }
   ASTR_CHECK(slot_mapping.scalar_type() == at::kInt, "slot_mapping: expected dtype int32, got ",
              slot_mapping.scalar_type());
-  ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.sym_size(0) == k.sym_size(0),
-             "slot_mapping: expected [tokens] = [", size_string(k.sym_size(0)), "], got shape ",
+  ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.sym_size(0) == tokens,
+             "slot_mapping: expected [tokens] = [", size_string(tokens), "], got shape ",
              sizes_string(slot_mapping));
+}
+
+void check_slots_in_pool(const at::Tensor& kept_slots, const at::Tensor& cache) {
+  if (kept_slots.numel() == 0) return;
+  const int64_t slots = cache.size(0) * cache.size(1);
+  const int64_t largest = kept_slots.max().item<int64_t>();
+  ASTR_CHECK(largest < slots, "slot_mapping: slot ", largest, " is out of range for a pool of ",
+             slots, " slots (", cache.size(0), " pages x ", cache.size(1), ")");
 }
 
 void check_pools_apart(const at::Tensor& k_cache, const at::Tensor& v_cache) {

@@ -23,6 +23,15 @@ void check_append_kv_args(const at::Tensor& k, const at::Tensor& v, const at::Te
                           const std::optional<at::Tensor>& k_scale,
                           const std::optional<at::Tensor>& v_scale);
 
+// The pool `cache` ([P, S, ...], named `cache_name`) holds at most kMaxPoolSlots slots, and
+// slot_mapping is int32 [tokens]. Sizes are read symbolically. Raises naming the argument.
+void check_slot_mapping(const at::Tensor& slot_mapping, const at::Tensor& cache,
+                        const char* cache_name, const c10::SymInt& tokens);
+
+// Every slot in `kept_slots` (int64, the non-negative entries of slot_mapping) lies in `cache`
+// ([P, S, ...]). Reads the values (a host synchronisation for a device tensor).
+void check_slots_in_pool(const at::Tensor& kept_slots, const at::Tensor& cache);
+
 // The pools are not the same memory (v_cache a view of k_cache's very elements): every write into
 // one would land in the other. Reads no values. Raises naming v_cache.
 void check_pools_apart(const at::Tensor& k_cache, const at::Tensor& v_cache);

@@ -5,6 +5,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include "ops/append_kv_checks.h"
 #include "ops/append_mla_checks.h"
 #include "ops/ops.h"
 #include "support/check.h"
@@ -25,11 +26,7 @@ void append_mla_cpu(const at::Tensor& ckv, const at::Tensor& krope, at::Tensor& 
   const at::Tensor slot = slot_mapping.to(at::kLong);
   const at::Tensor keep = slot.ge(0);
   const at::Tensor kept = slot.masked_select(keep);
-  if (kept.numel() > 0) {
-    const int64_t largest = kept.max().item<int64_t>();
-    ASTR_CHECK(largest < slots, "slot_mapping: slot ", largest, " is out of range for a pool of ",
-               slots, " slots (", ckv_cache.size(0), " pages x ", ckv_cache.size(1), ")");
-  }
+  check_slots_in_pool(kept, ckv_cache);
   krope_cache.view({slots, krope_cache.size(2)}).index_copy_(0, kept, krope.index({keep}));
   if (is_fp8(ckv_cache.scalar_type())) {
     // What an FP8 latent stores: fp8(clamp(x / scale, -448, 448)), torch's rounding; written as

@@ -11,27 +11,6 @@
 
 namespace astr {
 
-namespace {
-
-// "[3, 512]", "?" for a size only known symbolically.
-std::string sizes_string(const at::Tensor& t) {
-  std::string text = "[";
-  const auto sizes = t.sym_sizes();
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    if (d) text += ", ";
-    const auto value = sizes[d].maybe_as_int();
-    text += value ? std::to_string(*value) : std::string("?");
-  }
-  return text + "]";
-}
-
-std::string size_string(const c10::SymInt& size) {
-  const auto value = size.maybe_as_int();
-  return value ? std::to_string(*value) : std::string("?");
-}
-
-}  // namespace
-
 void check_append_mla_args(const at::Tensor& ckv, const at::Tensor& krope,
                            const at::Tensor& ckv_cache, const at::Tensor& krope_cache,
                            const at::Tensor& slot_mapping,
@@ -92,19 +71,7 @@ void check_append_mla_args(const at::Tensor& ckv, const at::Tensor& krope,
              " does not match krope_cache's rope dim ", size_string(krope_cache.sym_size(2)));
   ASTR_CHECK(krope.sym_size(0) == ckv.sym_size(0), "krope: ", size_string(krope.sym_size(0)),
              " tokens, ckv has ", size_string(ckv.sym_size(0)));
-  const auto pages = ckv_cache.sym_size(0).maybe_as_int();
-  const auto page_size = ckv_cache.sym_size(1).maybe_as_int();
-  if (pages && page_size) {
-    ASTR_CHECK(*pages * *page_size <= kMaxPoolSlots, "ckv_cache: a pool of ", *pages * *page_size,
-               " slots (", *pages, " pages x ", *page_size,
-               ") is more than an int32 slot_mapping addresses (at most 2^31 - 1 = ", kMaxPoolSlots,
-               " slots)");
-  }
-  ASTR_CHECK(slot_mapping.scalar_type() == at::kInt, "slot_mapping: expected dtype int32, got ",
-             slot_mapping.scalar_type());
-  ASTR_CHECK(slot_mapping.dim() == 1 && slot_mapping.sym_size(0) == ckv.sym_size(0),
-             "slot_mapping: expected [tokens] = [", size_string(ckv.sym_size(0)), "], got shape ",
-             sizes_string(slot_mapping));
+  check_slot_mapping(slot_mapping, ckv_cache, "ckv_cache", ckv.sym_size(0));
 }
 
 void check_mla_pools_apart(const at::Tensor& ckv_cache, const at::Tensor& krope_cache) {

@@ -148,12 +148,6 @@ bool has_readable_data(const at::Tensor& t) {
   return t.numel() == 0 || t.storage().data_ptr().get() != nullptr;
 }
 
-// "7", or "?" for a size only known symbolically (while torch.compile traces).
-std::string size_string(const c10::SymInt& size) {
-  const auto value = size.maybe_as_int();
-  return value ? std::to_string(*value) : std::string("?");
-}
-
 // Value checks on the paged metadata: only for CPU tensors, where reading them costs no device
 // synchronisation. On the GPU the kernels guard every index and poison the rows of a sequence
 // whose metadata is out of range with NaN.

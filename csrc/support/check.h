@@ -41,6 +41,27 @@ std::string message(const Args&... args) {
 
 }  // namespace astr::detail
 
+namespace astr {
+
+// "7", or "?" for a size only known symbolically (while torch.compile traces).
+inline std::string size_string(const c10::SymInt& size) {
+  const auto value = size.maybe_as_int();
+  return value ? std::to_string(*value) : std::string("?");
+}
+
+// "[3, 2, 16]", with "?" for each size only known symbolically.
+inline std::string sizes_string(const at::Tensor& t) {
+  std::string text = "[";
+  const auto sizes = t.sym_sizes();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (d) text += ", ";
+    text += size_string(sizes[d]);
+  }
+  return text + "]";
+}
+
+}  // namespace astr
+
 #define ASTR_CHECK(cond, ...)                                   \
   do {                                                          \
     if (C10_UNLIKELY(!(cond))) {                                \

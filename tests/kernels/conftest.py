@@ -52,6 +52,36 @@ def cuda_op(
     )
 
 
+def batch_cuda_op(batch, q, *args, **kwargs):
+    """cuda_op over ``batch``'s pools and step metadata (test_cuda_kernels.PagedBatch, or an
+    Fp8Batch over one) for queries q; the other arguments are cuda_op's from max_query_len on."""
+    return cuda_op(
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_table,
+        batch.seq_lens,
+        batch.query_start_loc,
+        *args,
+        **kwargs,
+    )
+
+
+def captured_graph(step):
+    """A CUDA graph of one call of ``step`` and what that call returned (the static outputs a
+    replay refills). ``step`` runs once on a side stream first, as capture requires, so that
+    its workspace is allocated before the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs
+
+
 @pytest.fixture
 def tuning():
     """Sets the kernel tuning for one test (a comma-separated string, see plan.h), automatic

@@ -24,16 +24,14 @@ from tests.extension.test_batch_invariance import (
     run_call,
     same_bits,
 )
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_kernels import HEAD_DIMS, PagedBatch
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 GPU_PROPERTY = settings(max_examples=25, deadline=None, derandomize=True)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -113,14 +111,7 @@ def test_cuda_graph_replays_give_the_eager_alone_bits_at_every_position(kind, fp
                 **args,
             )
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out, static_lse = step()
+        graph, (static_out, static_lse) = captured_graph(step)
         for place in range(8):
             # The target's tokens over sequence `place`'s pages (each table row holds enough).
             page = shape.page_size
@@ -161,13 +152,9 @@ def test_a_decode_splits_into_fixed_tiles_whose_extra_splits_add_nothing():
     wide = PagedBatch([50, 9000], [1, 1], 32, 8, 128, 16, torch.bfloat16, generator=g)
     scale = 1.0 / math.sqrt(128)
     with batch_invariant(True):
-        out_wide, _ = cuda_op(
+        out_wide, _ = batch_cuda_op(
+            wide,
             wide.q,
-            wide.k_cache,
-            wide.v_cache,
-            wide.block_table,
-            wide.seq_lens,
-            wide.query_start_loc,
             1,
             True,
             None,

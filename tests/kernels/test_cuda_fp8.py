@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tests.kernels.conftest import captured_graph
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
@@ -22,10 +23,8 @@ from tests.kernels.test_cuda_variants import run as run_variant
 from tests.kernels.test_cuda_variants import variant_reference
 from tests.reference import quantize
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # How an FP8 prefill runs (plan.h): on pages the binding dequantizes first, or reading the bytes
@@ -328,14 +327,7 @@ def test_fp8_decode_under_cuda_graph_replay_with_growing_lengths():
     batch.seq_lens = torch.tensor([3, 1, 17, 100], dtype=torch.int32, device="cuda")
     static_q = batch.q.clone()
     batch.q = static_q
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run(batch, True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, _ = run(batch, True)
+    graph, (static_out, _) = captured_graph(lambda: run(batch, True))
     for lens in ([3, 1, 17, 100], [64, 600, 700, 1000], [2048, 129, 4000, 4096]):
         batch.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))

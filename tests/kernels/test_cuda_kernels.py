@@ -13,14 +13,11 @@ import pytest
 import torch
 
 from astrai.extension import ops  # loads the library, registers the ops
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.reference import paged_reference
 
-cuda = pytest.mark.cuda
-pytestmark = [
-    cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
@@ -154,36 +151,28 @@ def output_shape(batch, q):
 def run_decode(batch, attn_mask=None, is_causal=True, scale=None):
     poison_next_allocation(output_shape(batch, batch.q), batch.q.dtype)
     scale = 1.0 / math.sqrt(batch.q.shape[-1]) if scale is None else scale
-    return attention_op(
+    return batch_cuda_op(
+        batch,
         batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         1,
         True,
         attn_mask,
         is_causal,
         scale,
-    )
+    )[0]
 
 
 def run_prefill(batch, q, scale, is_causal=True, attn_mask=None):
     poison_next_allocation(output_shape(batch, q), q.dtype)
-    return attention_op(
+    return batch_cuda_op(
+        batch,
         q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(batch.q_lens_list),
         False,
         attn_mask,
         is_causal,
         scale,
-    )
+    )[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -380,19 +369,15 @@ def test_any_scale_sign(decode, scale, prefill_kernel):
     q_lens = [1, 1, 1] if decode else [300, 64, 9]
     batch = PagedBatch(lens, q_lens, 8, 2, 128, 16, torch.bfloat16, generator=g)
     poison_next_allocation(batch.q.shape, batch.q.dtype)
-    out = attention_op(
+    out = batch_cuda_op(
+        batch,
         batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(q_lens),
         decode,
         None,
         True,
         scale,
-    )
+    )[0]
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
@@ -678,14 +663,7 @@ def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, tuning):
         True,
         scale,
     )
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cuda_op(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, _ = cuda_op(*args)
+    graph, (static_out, _) = captured_graph(lambda: cuda_op(*args))
     for lens in ([3, 1, 17, 100], [64, 65, 700, 1000], [2048, 129, 4000, 4096]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))
@@ -1020,13 +998,9 @@ def test_new_head_dims_return_the_lse_once_per_row(head_dims):
         lens = [n + 300 for n in q_lens]
         batch = PagedBatch(lens, q_lens, 8, 2, d, 16, torch.bfloat16, generator=g, head_dim_v=dv)
         scale = 1.0 / math.sqrt(d)
-        out, lse = cuda_op(
+        out, lse = batch_cuda_op(
+            batch,
             batch.q,
-            batch.k_cache,
-            batch.v_cache,
-            batch.block_table,
-            batch.seq_lens,
-            batch.query_start_loc,
             max(q_lens),
             q_lens == [1, 1, 1],
             None,

@@ -21,7 +21,7 @@ import torch
 
 from astrai.extension import ops
 from tests.extension.test_batch_invariance import batch_invariant
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_fp8 import Fp8Batch
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
@@ -31,10 +31,8 @@ from tests.kernels.test_cuda_kernels import (
 )
 from tests.kernels.test_cuda_variants import assert_variant_close, make_sinks
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 # The rows whose top-k kernels the library built (config.h's topk column; info's forms).
 TOPK_HEAD_DIMS = [
@@ -358,14 +356,7 @@ def test_cuda_graph_replay_with_changing_indices_and_lengths(splits, tuning):
             topk_indices=static_indices,
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = captured_graph(step)
     for lens in ([3, 1, 17, 100], [64, 65, 700, 1000], [2048, 129, 4000, 4096]):
         batch.seq_lens_list = lens
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -441,13 +432,9 @@ def test_a_tree_mask_and_the_listed_keys_both_apply():
     scale = 1.0 / math.sqrt(128)
     poison_next_allocation(batch.q.shape, batch.q.dtype)
     args = (batch, batch.q, indices, False, scale)
-    out, lse = cuda_op(
+    out, lse = batch_cuda_op(
+        batch,
         batch.q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(batch.q_lens_list),
         False,
         None,

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_fp8 import Fp8Batch
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
@@ -28,10 +28,8 @@ from tests.kernels.test_cuda_kernels import (
 from tests.kernels.test_cuda_variants import assert_variant_close, make_sinks
 from tests.reference import pack_tree_masks, random_tree_parents, tree_of_drafts
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 # Every form a tree mask runs on: the decode forms as a verify (verify_form=always; a forced form
 # that cannot run here falls back to the plan's choice) and the prefill kernels (verify_form=never;
@@ -67,13 +65,9 @@ def tree_batch(prefixes, drafts, hq, hkv, head_dim, page_size, dtype, seed, fp8=
 
 def run(batch, q, tree_mask, scale, window_left=-1, softcap=None, sinks=None):
     poison_next_allocation(q.shape, q.dtype)
-    return cuda_op(
+    return batch_cuda_op(
+        batch,
         q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         max(batch.q_lens_list),
         False,
         None,
@@ -143,13 +137,9 @@ def test_verify_rows_past_max_query_len_are_nan_as_a_prefills():
         torch.ops.astr.set_kernel_tuning("verify_form=always," + splits)
         try:
             poison_next_allocation(batch.q.shape, batch.q.dtype)
-            out, _ = cuda_op(
+            out, _ = batch_cuda_op(
+                batch,
                 batch.q,
-                batch.k_cache,
-                batch.v_cache,
-                batch.block_table,
-                batch.seq_lens,
-                batch.query_start_loc,
                 4,
                 False,
                 None,
@@ -201,14 +191,7 @@ def test_cuda_graph_replay_with_changing_trees_and_lengths(form, tuning):
             tree_mask=static_tree,
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = step()
+    graph, (static_out, static_lse) = captured_graph(step)
     for lens in ([5, 30, 1000], [64, 700, 2048], [4096, 129, 3000]):
         trees = [tree_of_drafts(random_tree_parents(drafts, cpu)) for _ in range(3)]
         static_tree.copy_(pack_tree_masks(trees, drafts))

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from tests.kernels.conftest import cuda_op
+from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_kernels import (
     HEAD_DIMS,
     MERGE_TUNING,
@@ -28,10 +28,8 @@ from tests.kernels.test_cuda_kernels import (
     splits_tuning,
 )
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+# Skipped where no GPU is visible (tests/conftest.py).
+pytestmark = pytest.mark.cuda
 
 
 def variant_reference(batch, q, scale, window_left=-1, softcap=None, sinks=None, attn_mask=None):
@@ -64,13 +62,9 @@ def run(
 ):
     """The cuda op over the batch's pools (an FP8 batch passes its scales), output poisoned."""
     poison_next_allocation((*q.shape[:-1], batch.v_cache.shape[-1]), q.dtype)
-    return cuda_op(
+    return batch_cuda_op(
+        batch,
         q,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_table,
-        batch.seq_lens,
-        batch.query_start_loc,
         1 if decode else max(batch.q_lens_list),
         decode,
         attn_mask,
@@ -268,14 +262,7 @@ def test_decode_variants_under_cuda_graph_replay_with_growing_lengths(splits, me
         sinks,
         True,
     )
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cuda_op(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_lse = cuda_op(*args)
+    graph, (static_out, static_lse) = captured_graph(lambda: cuda_op(*args))
     for lens in ([3, 1, 17, 100], [64, 600, 700, 1000], [2048, 129, 4000, 4096]):
         static_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         static_q.copy_(torch.randn(static_q.shape, generator=g, device="cuda"))

@@ -214,6 +214,20 @@ class Decision:
     # The measured preference that ordered a default choice (the run and rows), "" where none did.
     preference: str = ""
 
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        """The decision the resolver wrote (``astr::dispatch::Decision::to_json``)."""
+        data = json.loads(text)
+        return cls(
+            data["backend"],
+            data["source"],
+            data["requested"],
+            data["fell_back"],
+            data["error"],
+            data["reasons"],
+            data["preference"],
+        )
+
     def __str__(self) -> str:
         lines = [
             f"backend: {self.backend or 'none'} (selection: {self.source}"
@@ -264,13 +278,4 @@ def explain(
         tree_mask,
     )
     args = op_arguments(q, k, v, kv_cache, layer_id, fwd, selection, options)
-    data = json.loads(torch.ops.astr.explain(**args))
-    return Decision(
-        data["backend"],
-        data["source"],
-        data["requested"],
-        data["fell_back"],
-        data["error"],
-        data["reasons"],
-        data["preference"],
-    )
+    return Decision.from_json(torch.ops.astr.explain(**args))
