@@ -130,10 +130,14 @@ constexpr int paged_head_dim_min_arch(const HeadDimForms& forms) {
   return forms.head_dim > 256 ? 90 : 80;
 }
 
-// A row as text: "128", or "192/128" where v's head dim differs.
+// A row as text: "128", or "192/128" where v's head dim differs. (Appends only: GCC 12 at -O3
+// warns, falsely, of overlapping copies in `"/" + std::to_string(...)`.)
 inline std::string paged_head_dim_text(const HeadDimForms& forms) {
   std::string text = std::to_string(forms.head_dim);
-  if (forms.head_dim_v != forms.head_dim) text += "/" + std::to_string(forms.head_dim_v);
+  if (forms.head_dim_v != forms.head_dim) {
+    text += '/';
+    text += std::to_string(forms.head_dim_v);
+  }
   return text;
 }
 
@@ -161,14 +165,18 @@ inline std::string unsupported_head_dim_message(int head_dim, int head_dim_v = 0
 // Why a row without the top-k kernels refuses topk_indices: "topk_indices: the cuda top-k kernels
 // take head dims 64, 96, 128, 256 (got 192/128)".
 inline std::string topk_head_dim_message(const HeadDimForms& forms) {
-  std::string dims;
+  std::string text = "topk_indices: the cuda top-k kernels take head dims ";
+  bool first = true;
   for (const HeadDimForms& row : kPagedHeadDims) {
     if (!row.topk || !paged_head_dim_built(row.head_dim)) continue;
-    dims += (dims.empty() ? "" : ", ") + std::to_string(row.head_dim);
+    if (!first) text += ", ";
+    text += std::to_string(row.head_dim);
+    first = false;
   }
-  std::string got = std::to_string(forms.head_dim);
-  if (forms.head_dim_v != forms.head_dim) got += "/" + std::to_string(forms.head_dim_v);
-  return "topk_indices: the cuda top-k kernels take head dims " + dims + " (got " + got + ")";
+  text += " (got ";
+  text += paged_head_dim_text(forms);
+  text += ')';
+  return text;
 }
 
 }  // namespace astr::kernels
