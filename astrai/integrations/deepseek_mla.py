@@ -35,6 +35,7 @@ from torch import nn
 
 from astrai.extension.latent_cache import PagedLatentCache
 from astrai.extension.selection import BackendSpec
+from astrai.integrations.transformers import NO_MEANING_FOR_ATTENTION
 
 try:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -48,6 +49,17 @@ except ImportError as error:  # pragma: no cover - transformers is an optional d
         "astrai.integrations.deepseek_mla needs transformers with DeepSeek-V3 "
         "(pip install 'transformers>=5.17,<5.26')"
     ) from error
+
+
+def _check_kwargs(kwargs: Dict[str, object]) -> None:
+    """Every keyword the decoder layer passes on is one with no meaning for attention
+    (astrai.integrations.transformers lists them), or raises naming it: none is dropped."""
+    for name in kwargs:
+        if name not in NO_MEANING_FOR_ATTENTION:
+            raise NotImplementedError(
+                f"{name}: the decoder layer passed this keyword to LatentAttention, which does "
+                "not implement it (it would be silently ignored)"
+            )
 
 
 class LatentAttention(nn.Module):
@@ -64,7 +76,18 @@ class LatentAttention(nn.Module):
         self.key_up = up[:, :nope]  # W_UK [H, dn, Dc]: views of kv_b_proj's weight
         self.value_up = up[:, nope:]  # W_UV [H, dv, Dc]
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs
+    ):
+        # attention_mask: the latent cache's step places each token in its sequence and makes it
+        # causal there, which is all the model's mask over a packed row says.
+        if cache is not None:
+            raise NotImplementedError(
+                "cache: LatentAttention keeps each layer's latent in the PagedLatentCache it "
+                "serves; a transformers cache beside it would not be updated (call the model "
+                "with use_cache=False)"
+            )
+        _check_kwargs(kwargs)
         a = self.attention
         cache = self.serving.cache
         batch, tokens = hidden_states.shape[:2]

@@ -93,6 +93,18 @@ def test_an_fp8_latent_cache_keeps_the_greedy_tokens_close():
     assert sum(a[0] == b[0] for a, b in zip(ours, bf16)) >= 2
 
 
+def test_a_keyword_latent_attention_cannot_honour_raises_naming_it():
+    model = build("deepseek-v3")
+    cache = deepseek_mla.latent_cache_for(model, num_pages=8, page_size=4)
+    ids, positions = torch.tensor([PROMPTS[0]]), torch.arange(len(PROMPTS[0]))[None]
+    with torch.no_grad(), deepseek_mla.latent_attention(model, cache):
+        cache.begin_step([0], [len(PROMPTS[0])])
+        with pytest.raises(NotImplementedError, match="indices: the decoder layer passed"):
+            model(input_ids=ids, position_ids=positions, use_cache=False, indices=positions)
+        with pytest.raises(NotImplementedError, match="cache: LatentAttention keeps"):
+            model(input_ids=ids, position_ids=positions, use_cache=True)
+
+
 def test_a_cache_of_the_wrong_shape_is_refused():
     model = build("deepseek-v3")
     cache = PagedLatentCache(3, 4, 4, latent_dim=256, dtype=torch.float32)
