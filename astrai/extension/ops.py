@@ -151,17 +151,13 @@ def set_metadata_checks(enabled: bool) -> None:
     torch.ops.astr.set_metadata_checks(enabled)
 
 
-class _BatchInvariance:
-    """The Python side's copy of the batch-invariant switch (the C++ one is the truth), which
-    the API reads on every paged call so that torch.compile guards on it: the torch_native
-    backend is decomposed when a graph is traced, so a graph traced in one mode must not run in
-    the other."""
-
-    enabled: bool = False
-
-
+# The Python side's copy of the batch-invariant switch (the C++ one is the truth), which the API
+# reads on every paged call so that torch.compile guards on it: the torch_native backend is
+# decomposed when a graph is traced, so a graph traced in one mode must not run in the other. A
+# module global, not a class attribute: dynamo guards a module's globals in every supported torch,
+# while some versions read a class attribute's constant without a guard.
 # ASTR_BATCH_INVARIANT is read here, at load (a value that is no switch raises, naming it).
-_BatchInvariance.enabled = bool(torch.ops.astr.batch_invariant())
+batch_invariant_enabled: bool = bool(torch.ops.astr.batch_invariant())
 
 
 def set_batch_invariant(enabled: bool) -> None:
@@ -173,8 +169,9 @@ def set_batch_invariant(enabled: bool) -> None:
     ``astrai.attention`` recompiles when it changes (not direct ``torch.ops.astr`` calls)."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected True or False, got {enabled!r}")
+    global batch_invariant_enabled
     torch.ops.astr.set_batch_invariant(enabled)
-    _BatchInvariance.enabled = enabled
+    batch_invariant_enabled = enabled
 
 
 def batch_invariant() -> bool:

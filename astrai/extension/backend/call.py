@@ -105,10 +105,10 @@ def run_op(args: dict):
 
 
 def _observe_batch_invariance() -> bool:
-    """Batch-invariant mode as the Python side holds it (ops._BatchInvariance). Branched on, so
-    that torch.compile guards on it (a value it only loads, it does not): a graph traced in one
-    mode recompiles in the other, since the torch_native backend decomposes at trace time."""
-    return True if ops._BatchInvariance.enabled else False
+    """Batch-invariant mode as the Python side holds it (ops.batch_invariant_enabled). Branched
+    on, so that torch.compile guards on it (a value it only loads, it does not): a graph traced in
+    one mode recompiles in the other, since the torch_native backend decomposes at trace time."""
+    return True if ops.batch_invariant_enabled else False
 
 
 def run_builtin(q, k, v, kv_cache, layer_id, fwd, selection, options: dict):
