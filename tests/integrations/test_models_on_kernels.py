@@ -436,9 +436,10 @@ def run_loop(model, monkeypatch, backend=None, drop=(), indices=None, replay=Fal
     return logits, eager_logits, recorded
 
 
-# Against eager in float32 on the CPU; cuda against torch_native on the GPU in bf16 (the same
-# cache, the same inputs): transformers' own bf16 sdpa/eager disagreement is of this order.
-CPU_TOLERANCE, GPU_TOLERANCE = 1e-4, 2e-2
+# Relative L2 error of the logits: against eager in float32 on the CPU; cuda against
+# torch_native on the GPU in bf16 (the same cache, the same inputs; test_transformers.py's bf16
+# logits check allows 2e-2 relative). Each control moves them by 0.7 to 1.2 (CPU).
+CPU_TOLERANCE, GPU_TOLERANCE = 1e-4, 3e-2
 
 
 def assert_loop_matches(model, monkeypatch, feature: str, kernel_forms=("prefill", "decode")):
