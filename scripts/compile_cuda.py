@@ -2,10 +2,16 @@
 scripts/generate_instantiations.py writes from the config list, with nvcc for sm_80 and sm_90a
 (sm_90 with Hopper's arch-specific instructions, as setup.py builds it), without linking: CI's
 proof that the CUDA code builds on a machine with no GPU (and with a CPU build of torch, whose
-headers suffice to compile the bindings)."""
+headers suffice to compile the bindings).
+
+    python scripts/compile_cuda.py [--arch 80|90a] [PART ...]
+
+PART: compile only the files whose path contains one of them (e.g. `paged_topk_hdim192`,
+`launch.cu`); none, every file."""
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import shutil
@@ -91,12 +97,18 @@ def compile_one(source: str, arch: str) -> tuple[str, int, str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", metavar="PART", help="compile only paths holding one")
+    parser.add_argument("--arch", choices=ARCHS, action="append", help="default: every arch")
+    args = parser.parse_args()
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
     sources += generate_instantiations.write(os.path.join(ROOT, "build-cu", "generated"))
+    if args.parts:
+        sources = [s for s in sources if any(part in s for part in args.parts)]
     if not sources:
-        print("compile_cuda: no .cu files")
-        return
-    jobs = [(s, a) for s in sources for a in ARCHS]
+        print("compile_cuda: no .cu files" + (f" matching {args.parts}" if args.parts else ""))
+        sys.exit(1 if args.parts else 0)
+    jobs = [(s, a) for s in sources for a in (args.arch or ARCHS)]
     failed = 0
     with ThreadPoolExecutor(
         max_workers=int(os.environ.get("MAX_JOBS", os.cpu_count() or 2))

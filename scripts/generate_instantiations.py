@@ -84,7 +84,7 @@ FP8_FAMILIES = ("paged_decode", "paged_prefill", "paged_prefill_wgmma", "paged_t
 
 # The families whose launch template takes v's head dim after q/k's (<D, DV, T, KV>); the others
 # take equal dims (<D, T, KV>), and config.h compiles them for rows of equal dims only.
-V_HEAD_DIM_FAMILIES = ("paged_decode", "paged_prefill")
+V_HEAD_DIM_FAMILIES = ("paged_decode", "paged_prefill", "paged_topk")
 
 FAMILIES = {
     # family: (header, launch template, its extra parameters, the config flag it needs)

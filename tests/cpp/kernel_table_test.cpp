@@ -2,8 +2,9 @@
 // mode), walked row by row through the plan: the tables are what the plan does, or this test
 // fails. Rows name a GPU (an H100 for sm_90 with a library built for sm_90a, an A100 for sm_80),
 // head dims ("128", or "192/128" for q/k head dim 192 and v head dim 128), the call kind (prefill,
-// decode, or verify: a prefill-mode call of Q new tokens per sequence), the cache, a decode or
-// verify batch (Hq 32 and Hkv 8 unless the row says otherwise) and the form the plan picks.
+// decode, verify: a prefill-mode call of Q new tokens per sequence, or topk: a call with
+// topk_indices, T query tokens of K entries), the cache, a decode, verify or top-k batch (Hq 32
+// and Hkv 8 unless the row says otherwise) and the form the plan picks.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -24,6 +25,7 @@ using astr::kernels::DeviceFacts;
 using astr::kernels::KernelTuning;
 using astr::kernels::kFp8ScratchLimitBytes;
 using astr::kernels::PrefillPlan;
+using astr::kernels::TopkShape;
 
 constexpr char kBegin[] = "<!-- kernel table begin -->";
 constexpr char kEnd[] = "<!-- kernel table end -->";
@@ -133,6 +135,27 @@ DecodeShape decode_shape(const std::string& batch, HeadDims head_dims, bool fp8)
   return shape;
 }
 
+// "T=1 K=2048 Hkv=8": T query tokens of a top-k call, K entries each.
+TopkShape topk_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
+  TopkShape shape;
+  shape.num_q_heads = 32;
+  shape.num_kv_heads = 8;
+  shape.head_dim = head_dims.qk;
+  shape.head_dim_v = head_dims.v;
+  shape.kv_bytes = fp8 ? 1 : 2;
+  for (const std::string& item : split(batch, ' ')) {
+    const size_t equals = item.find('=');
+    if (item.empty() || equals == std::string::npos) continue;
+    const std::string key = item.substr(0, equals);
+    const int64_t value = std::stoll(item.substr(equals + 1));
+    if (key == "T") shape.num_tokens = value;
+    if (key == "K") shape.topk = value;
+    if (key == "Hq") shape.num_q_heads = static_cast<int>(value);
+    if (key == "Hkv") shape.num_kv_heads = static_cast<int>(value);
+  }
+  return shape;
+}
+
 std::string decode_form(const DecodePlan& plan) {
   if (!plan.error.empty()) return plan.error;
   return astr::kernels::describe_plan(plan);
@@ -142,6 +165,13 @@ std::string decode_form(const DecodePlan& plan) {
 std::string planned_form(const Row& row, HeadDims head_dims) {
   const DeviceFacts device = device_of(row.gpu);
   const bool fp8 = row.cache.rfind("FP8", 0) == 0;
+  if (row.call == "topk") {
+    TopkShape shape = topk_shape(row.batch, head_dims, fp8);
+    EXPECT_GT(shape.num_tokens, 0) << "a top-k row names its T and K: " << row.text;
+    shape.batch_invariant = row.batch_invariant;
+    const astr::kernels::TopkPlan plan = astr::kernels::plan_paged_topk(shape, device, {});
+    return plan.error.empty() ? astr::kernels::describe_plan(plan) : plan.error;
+  }
   DecodeShape shape = decode_shape(row.batch, head_dims, fp8);
   shape.batch_invariant = row.batch_invariant;
   if (row.call == "decode") {
@@ -181,13 +211,13 @@ TEST(KernelTable, EveryRowIsWhatThePlanPicks) {
   }
 }
 
-// Every head dim the kernels are built for appears in both tables, for prefill, decode and
-// verify.
+// Every head dim the kernels are built for appears in both tables, for prefill, decode, verify and
+// top-k (a row without top-k kernels as the plan's refusal).
 TEST(KernelTable, CoversEveryHeadDimAndCallKind) {
   for (bool batch_invariant : {false, true}) {
     const std::vector<Row> rows = table_rows(batch_invariant);
     for (const auto& forms : astr::kernels::kPagedHeadDims) {
-      for (const std::string call : {"prefill", "decode", "verify"}) {
+      for (const std::string call : {"prefill", "decode", "verify", "topk"}) {
         bool found = false;
         for (const Row& row : rows) {
           for (const std::string& head_dim : split(row.head_dims, ',')) {

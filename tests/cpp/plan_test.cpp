@@ -632,6 +632,20 @@ TEST(TopkPlan, FewTokensSplitTheirEntryTilesOverOneWaveAsADecodeSplitsItsKvTiles
   EXPECT_EQ(describe_plan(one), "split x32");
 }
 
+TEST(TopkPlan, Qk192WithV128HasTopkKernelsWhoseWorkspaceHoldsRowsOfVsHeadDim) {
+  TopkShape deepseek = topk_call(1, 2048, 192);
+  deepseek.head_dim_v = 128;
+  const TopkPlan plan = topk_plan(deepseek);
+  EXPECT_EQ(plan.error, "");
+  ASSERT_GT(plan.num_splits, 1);
+  EXPECT_EQ(plan.workspace_floats, static_cast<size_t>(plan.num_splits) * 1 * 32 * (128 + 1));
+  TopkShape gemma_global = topk_call(1, 2048, 512);
+  gemma_global.head_dim_v = 512;
+  EXPECT_EQ(topk_plan(gemma_global).error,
+            "topk_indices: the cuda top-k kernels take head dims 64, 96, 128, 192/128, 256 "
+            "(got 512)");
+}
+
 TEST(TopkPlan, TheTuningForcesASplitCountAndBatchInvariantModeSplitsBy16Tiles) {
   EXPECT_EQ(topk_plan(topk_call(4096, 2048), "decode_splits=3").num_splits, 3);
   TopkShape invariant_call = topk_call(1, 2048);

@@ -6,8 +6,9 @@ float64 reference (tests/reference.py):
     a position listed twice counts once) that its causal mask and window also allow; softcap,
     sinks, lse and an FP8 cache apply as usual.
 
-Decode and ragged prefill, page sizes 1, 16 and 256, every head dim, window + softcap + sinks +
-lse (+ FP8) together, the split counts of the plan and forced ones; rows with -1 entries, repeats
+Decode and ragged prefill, page sizes 1, 16 and 256, every head-dim row with top-k kernels
+(DeepSeek's MHA form, q/k 192 with v 128, among them), window + softcap + sinks + lse (+ FP8)
+together, the split counts of the plan and forced ones; rows with -1 entries, repeats
 and entries the mask hides; each with a control that fails if the indices are ignored. Bad entries
 poison only their own row (and checked mode names them); CUDA-graph replay with changing indices
 and lengths; batch-invariant mode. Pools hold NaN in every slot no sequence owns, and outputs are
@@ -24,8 +25,8 @@ from tests.extension.test_batch_invariance import batch_invariant
 from tests.kernels.conftest import batch_cuda_op, captured_graph, cuda_op
 from tests.kernels.test_cuda_fp8 import Fp8Batch
 from tests.kernels.test_cuda_kernels import (
-    HEAD_DIMS,
     PagedBatch,
+    output_shape,
     poison_next_allocation,
     reference,
 )
@@ -34,10 +35,25 @@ from tests.kernels.test_cuda_variants import assert_variant_close, make_sinks
 # Skipped where no GPU is visible (tests/conftest.py).
 pytestmark = pytest.mark.cuda
 
-# The rows whose top-k kernels the library built (config.h's topk column; info's forms).
+
+def forms_key(head_dims):
+    """info's name of a (q/k, v) row: "128", or "192/128" where v's head dim differs."""
+    d, dv = head_dims
+    return str(d) if d == dv else f"{d}/{dv}"
+
+
+# The (q/k, v) rows whose top-k kernels the library built (config.h's topk column; info's forms).
 TOPK_HEAD_DIMS = [
-    d for d in HEAD_DIMS if "topk" in ops.BUILD_INFO["paged_kernels"]["forms"].get(str(d), [])
+    tuple(pair)
+    for pair in ops.BUILD_INFO["paged_kernels"].get("head_dim_pairs", [])
+    if "topk" in ops.BUILD_INFO["paged_kernels"]["forms"].get(forms_key(pair), [])
 ]
+
+
+def head_dims_id(head_dims):
+    """A test id: "128", or "192v128"."""
+    return forms_key(head_dims).replace("/", "v")
+
 
 # The plan's split count, one split (each row's lone block writes it) and 7 (the merge kernel,
 # some splits empty for short rows).
@@ -72,9 +88,11 @@ def topk_rows(batch, topk, g, unused=0.2):
     return indices
 
 
-def make_batch(lens, new, hq, hkv, head_dim, page_size, seed, fp8=None, dtype=torch.bfloat16):
+def make_batch(lens, new, hq, hkv, head_dims, page_size, seed, fp8=None, dtype=torch.bfloat16):
+    """head_dims: q/k's head dim, or a (q/k, v) pair."""
+    d, dv = head_dims if isinstance(head_dims, tuple) else (head_dims, head_dims)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    batch = PagedBatch(lens, new, hq, hkv, head_dim, page_size, dtype, generator=g)
+    batch = PagedBatch(lens, new, hq, hkv, d, page_size, dtype, generator=g, head_dim_v=dv)
     if fp8 is not None:
         batch = Fp8Batch(batch, fp8, g)
     return batch, g
@@ -82,7 +100,7 @@ def make_batch(lens, new, hq, hkv, head_dim, page_size, seed, fp8=None, dtype=to
 
 def run(batch, q, indices, decode, scale, window_left=-1, softcap=None, sinks=None, **extra):
     """(out, lse) of the cuda op over the batch, with topk_indices (None: a dense call)."""
-    poison_next_allocation(q.shape, q.dtype)
+    poison_next_allocation(output_shape(batch, q), q.dtype)
     return cuda_op(
         q,
         batch.k_cache,
@@ -114,6 +132,7 @@ def variant_arguments(variant, hq, g):
 
 def assert_topk_matches_and_ignoring_it_would_not(batch, indices, decode, scale, variants):
     out, lse = run(batch, batch.q, indices, decode, scale, **variants)
+    assert out.shape == output_shape(batch, batch.q)
     ref_out, ref_lse = reference(
         batch, batch.q, True, scale, topk_indices=indices, return_lse=True, **variants
     )
@@ -125,41 +144,43 @@ def assert_topk_matches_and_ignoring_it_would_not(batch, indices, decode, scale,
 
 @pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["16bit", "e4m3"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
-@pytest.mark.parametrize("head_dim", TOPK_HEAD_DIMS)
+@pytest.mark.parametrize("head_dims", TOPK_HEAD_DIMS, ids=head_dims_id)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("splits", list(SPLITS))
 def test_decode_reads_the_listed_keys_with_every_variant(
-    splits, variant, head_dim, page_size, fp8, tuning
+    splits, variant, head_dims, page_size, fp8, tuning
 ):
     """300 entries a row (not a whole number of tiles), over sequences of 5 to 3000 keys."""
     tuning(SPLITS[splits])
+    d = head_dims[0]
     lens = [5, 1500, 3000, 130, 2049]
-    batch, g = make_batch(lens, [1] * 5, 8, 2, head_dim, page_size, head_dim + page_size, fp8)
+    batch, g = make_batch(lens, [1] * 5, 8, 2, head_dims, page_size, d + page_size, fp8)
     indices = topk_rows(batch, 300, g)
     variants = variant_arguments(variant, 8, g)
     assert_topk_matches_and_ignoring_it_would_not(
-        batch, indices, True, 1.0 / math.sqrt(head_dim), variants
+        batch, indices, True, 1.0 / math.sqrt(d), variants
     )
 
 
 @pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["16bit", "e4m3"])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
-@pytest.mark.parametrize("head_dim", TOPK_HEAD_DIMS)
+@pytest.mark.parametrize("head_dims", TOPK_HEAD_DIMS, ids=head_dims_id)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("splits", list(SPLITS))
 def test_ragged_prefill_reads_the_listed_keys_with_every_variant(
-    splits, variant, head_dim, page_size, fp8, tuning
+    splits, variant, head_dims, page_size, fp8, tuning
 ):
     """Ragged new tokens over cached prefixes (one without, one of a single token): each token
     its own row of 200 entries, the causal edge its own."""
     tuning(SPLITS[splits])
+    d = head_dims[0]
     prefixes, new = [0, 300, 2000, 10, 777], [17, 5, 40, 1, 64]
     lens = [p + n for p, n in zip(prefixes, new)]
-    batch, g = make_batch(lens, new, 8, 2, head_dim, page_size, 3 * head_dim + page_size, fp8)
+    batch, g = make_batch(lens, new, 8, 2, head_dims, page_size, 3 * d + page_size, fp8)
     indices = topk_rows(batch, 200, g)
     variants = variant_arguments(variant, 8, g)
     assert_topk_matches_and_ignoring_it_would_not(
-        batch, indices, False, 1.0 / math.sqrt(head_dim), variants
+        batch, indices, False, 1.0 / math.sqrt(d), variants
     )
 
 
@@ -199,14 +220,18 @@ def test_a_bool_mask_and_the_listed_keys_both_apply(decode):
 
 @pytest.mark.parametrize("fp8", [None, torch.float8_e4m3fn], ids=["16bit", "e4m3"])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_2048_entries_over_long_contexts(decode, fp8):
-    """DeepSeek V3.2's shape: 2048 entries a row over contexts of 8192 to 20000 keys."""
+@pytest.mark.parametrize(
+    "head_dims", [p for p in TOPK_HEAD_DIMS if p in ((128, 128), (192, 128))], ids=head_dims_id
+)
+def test_2048_entries_over_long_contexts(head_dims, decode, fp8):
+    """DeepSeek V3.2's shape: 2048 entries a row over contexts of 8192 to 20000 keys (its MHA
+    form's head dims, 192/128, and 128)."""
     new = [1, 1] if decode else [6, 3]
     lens = [8192, 20000]
-    batch, g = make_batch(lens, new, 16, 1, 128, 64, 2048, fp8)
+    batch, g = make_batch(lens, new, 16, 1, head_dims, 64, 2048, fp8)
     indices = topk_rows(batch, 2048, g, unused=0.05)
     assert_topk_matches_and_ignoring_it_would_not(
-        batch, indices, decode, 1.0 / math.sqrt(128), variant_arguments("none", 16, g)
+        batch, indices, decode, 1.0 / math.sqrt(head_dims[0]), variant_arguments("none", 16, g)
     )
 
 

@@ -32,8 +32,9 @@ namespace astr::kernels {
 //   prefill_warp_specialized  the warp-specialised prefill on wgmma: a producer warpgroup, two
 //                        consumers taking turns (prefill_warp_specialized_kernel.cuh; sm_90a
 //                        builds; head dims of whole 32-element halves of column blocks)
-//   topk                 the sparse top-k kernels (topk_attention_kernel.cuh): rows of equal
-//                        head dims up to 256 (they take the decode's one head dim)
+//   topk                 the sparse top-k kernels (topk_attention_kernel.cuh): rows whose v
+//                        head dim is at most 256 (the decode's 4-warp block, v's columns in
+//                        one block)
 // Where both prefills on wgmma could run, each head dim compiles the one measured faster
 // (benchmarks/results/decisions.md, "Prefill: which kernel runs"): the plan runs the compiled one.
 struct HeadDimForms {
@@ -54,7 +55,7 @@ inline constexpr HeadDimForms kPagedHeadDims[] = {
     {64,  64,  false, false, false, false, true,  true},
     {96,  96,  false, false, false, false, true,  true},
     {128, 128, true,  true,  true,  true,  true,  true},
-    {192, 128, false, false, false, false, false, false},
+    {192, 128, false, false, false, false, false, true},
     {256, 256, false, false, false, false, true,  true},
     {512, 512, false, false, false, false, false, false},
     // END HEAD DIMS
@@ -163,14 +164,14 @@ inline std::string unsupported_head_dim_message(int head_dim, int head_dim_v = 0
 }
 
 // Why a row without the top-k kernels refuses topk_indices: "topk_indices: the cuda top-k kernels
-// take head dims 64, 96, 128, 256 (got 192/128)".
+// take head dims 64, 96, 128, 192/128, 256 (got 512)".
 inline std::string topk_head_dim_message(const HeadDimForms& forms) {
   std::string text = "topk_indices: the cuda top-k kernels take head dims ";
   bool first = true;
   for (const HeadDimForms& row : kPagedHeadDims) {
     if (!row.topk || !paged_head_dim_built(row.head_dim)) continue;
     if (!first) text += ", ";
-    text += std::to_string(row.head_dim);
+    text += paged_head_dim_text(row);
     first = false;
   }
   text += " (got ";

@@ -46,16 +46,16 @@ inline bool current_device_is_sm90_or_newer() { return current_device_arch() >= 
 template <int D, int DV, typename T, typename KV>
 LaunchStatus run_paged_decode(const PagedKernelArgs& args, DecodeForm form, cudaStream_t stream);
 
+// Sparse top-k attention, decode or prefill (topk_attention_kernel.cuh): the listing pass, the
+// attention kernel over the listed keys on args.num_splits splits, the merge kernel after more than
+// one, and for a prefill the unplaced rows' poison; q/k head dim D, v's DV (up to 256).
+template <int D, int DV, typename T, typename KV>
+LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream);
+
 // The forms below take equal q/k and v head dims D (config.h compiles them for no other row).
 // The persistent decode (decode_persistent_kernel.cuh), on a grid of args.persistent_blocks.
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_decode_persistent(const PagedKernelArgs& args, cudaStream_t stream);
-
-// Sparse top-k attention, decode or prefill (topk_attention_kernel.cuh): the listing pass, the
-// attention kernel over the listed keys on args.num_splits splits, the merge kernel after more than
-// one, and for a prefill the unplaced rows' poison.
-template <int D, typename T, typename KV>
-LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream);
 
 // Prefill on mma.sync (prefill_mma_sync_kernel.cuh), sm_80 and newer; q/k head dim D, v's DV.
 template <int D, int DV, typename T, typename KV>

@@ -216,15 +216,16 @@ LaunchStatus launch_paged_topk(const PagedTopkParams& params, const TopkPlan& pl
   args.topk_table_slots = plan.table_slots;
   const size_t rows = (size_t)plan.num_splits * params.num_tokens * params.num_q_heads;
   args.partial_out = params.workspace;
+  // The partial outputs are rows of the output's (v's) head dim.
   args.partial_lse =
-      params.workspace == nullptr ? nullptr : params.workspace + rows * params.head_dim;
+      params.workspace == nullptr ? nullptr : params.workspace + rows * args.base.head_dim_v;
   status = {"paged top-k: " + unsupported_head_dim_message(params.head_dim, params.head_dim_v)};
   for_head_dim(params.head_dim, params.head_dim_v, [&](auto d, auto dv) {
     constexpr int D = decltype(d)::value;
     constexpr int DV = decltype(dv)::value;
     if constexpr (paged_head_dim_forms(D, DV)->topk) {
       status = dispatch_types(params, [&](auto t, auto kv) -> LaunchStatus {
-        return run_paged_topk<D, decltype(t), decltype(kv)>(args, stream);
+        return run_paged_topk<D, DV, decltype(t), decltype(kv)>(args, stream);
       });
     } else {
       status = {"paged top-k: the top-k kernels are not built for head dims " + std::to_string(D) +

@@ -452,8 +452,9 @@ TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
     plan.num_splits = decode_splits_filling_one_wave(items, slots, tiles);
   }
   if (plan.num_splits > 1) {
+    // Partial output rows of v's head dim, and their lse.
     plan.workspace_floats = static_cast<size_t>(plan.num_splits) * shape.num_tokens *
-                            shape.num_q_heads * (shape.head_dim + 1);
+                            shape.num_q_heads * (forms->head_dim_v + 1);
   }
   return plan;
 }

@@ -183,13 +183,17 @@ __global__ void __launch_bounds__(kThreads)
 // entry): tile t of the block holds entries entry_begin + t * entry_step + row. lookup(tile) reads
 // the tile's positions and their page ids into registers a tile ahead; issue(tile, stage) starts
 // the copies (an entry of -1, or past the row, copies zeros) and marks in `seen` which rows of
-// the stage hold a key (one thread per row).
+// the stage hold a key (one thread per row). Where V's rows have fewer chunks than K's (192, 128),
+// V's copies take rows of their own (KVTileLoader: kSameRows), each with its own entry.
 template <typename Traits, typename KV>
 struct ListedKeyTiles {
   using Copies = KVTileLoader<Traits, KV>;
+  using VShape = typename Copies::VShape;
   static constexpr int D = Traits::kHeadDim;
   static constexpr int kTileN = Traits::kTileN;
   static constexpr int kCopies = Copies::kCopies;
+  static constexpr bool kSameRows = Copies::kSameRows;
+  static constexpr int kVCopies = kSameRows ? 1 : Copies::kVCopies;
 
   Copies copies;  // its source's kv range is unused: the rows come from the entries
   const int32_t* listed;
@@ -198,6 +202,8 @@ struct ListedKeyTiles {
   int32_t* seen;  // [kStages][kTileN] in shared memory: 1 where the row holds a key
   int positions[kCopies];
   int pages[kCopies];
+  int v_positions[kVCopies];  // V's own rows (kSameRows false)
+  int v_pages[kVCopies];
   bool poisoned = false;  // an entry of -2: the row's metadata is bad (topk_listing_kernel)
 
   __device__ __forceinline__ ListedKeyTiles(const KVTileSource& source, KV* k_stages, KV* v_stages,
@@ -214,21 +220,44 @@ struct ListedKeyTiles {
   __device__ __forceinline__ void lookup(int tile) {
     const int entry0 = entry_begin + tile * entry_step;
 #pragma unroll
-    for (int i = 0; i < kCopies; ++i) {
-      const int entry = entry0 + copies.copy_row(i);
-      const int position = entry < entry_end ? listed[entry] : -1;
-      poisoned |= position == -2;
-      positions[i] = position;
-      // The listing pass checked the page ids of the positions it kept.
-      pages[i] = position >= 0 ? block_table[position >> copies.src.log2_page_size] : 0;
+    for (int i = 0; i < kCopies; ++i)
+      look_up_entry(entry0 + copies.copy_row(i), positions[i], pages[i]);
+    if constexpr (!kSameRows) {
+#pragma unroll
+      for (int i = 0; i < kVCopies; ++i)
+        look_up_entry(entry0 + copies.v_copy_row(i), v_positions[i], v_pages[i]);
     }
+  }
+  __device__ __forceinline__ void look_up_entry(int entry, int& position, int& page) {
+    position = entry < entry_end ? listed[entry] : -1;
+    poisoned |= position == -2;
+    // The listing pass checked the page ids of the positions it kept.
+    page = position >= 0 ? block_table[position >> copies.src.log2_page_size] : 0;
   }
 
   __device__ __forceinline__ void issue(int stage) {
     const KVTileSource& src = copies.src;
     const int page_mask = (1 << src.log2_page_size) - 1;
     KV* k_dst = copies.k_smem + stage * Traits::kTileElements;
-    KV* v_dst = copies.v_smem + stage * Traits::kTileElements;
+    KV* v_dst = copies.v_smem + stage * VShape::kTileElements;
+    if constexpr (!kSameRows) {  // V's own rows, then K's below
+#pragma unroll
+      for (int i = 0; i < kVCopies; ++i) {
+        const int row = copies.v_copy_row(i);
+        const int column = copies.v_copy_chunk(i, copies.thread);
+        const bool valid = v_positions[i] >= 0;
+        const int page = valid ? static_cast<int>(min(static_cast<unsigned>(v_pages[i]),
+                                                      static_cast<unsigned>(src.num_pages) - 1u))
+                               : 0;
+        const int slot = valid ? v_positions[i] & page_mask : 0;
+        const char* v_base = Copies::kVOneColumn ? copies.v_thread : copies.v_thread + column * 16;
+        const char* v_src =
+            v_base + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
+        const int offset =
+            tile_offset<VShape::kColumns, VShape::kSwizzle, Traits::kKVChunkElements>(row, column);
+        cp_async_16(shared_address(v_dst + offset), v_src, valid);
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int row = copies.copy_row(i);
@@ -240,14 +269,16 @@ struct ListedKeyTiles {
                              : 0;
       const int slot = valid ? positions[i] & page_mask : 0;
       const char* k_base = Copies::kOneColumn ? copies.k_thread : copies.k_thread + column * 16;
-      const char* v_base = Copies::kOneColumn ? copies.v_thread : copies.v_thread + column * 16;
       const char* k_src =
           k_base + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
-      const char* v_src =
-          v_base + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
       const int offset = tile_offset<D, Traits::kKVSwizzle, Traits::kKVChunkElements>(row, column);
       cp_async_16(shared_address(k_dst + offset), k_src, valid);
-      cp_async_16(shared_address(v_dst + offset), v_src, valid);
+      if constexpr (kSameRows) {
+        const char* v_base = Copies::kOneColumn ? copies.v_thread : copies.v_thread + column * 16;
+        const char* v_src =
+            v_base + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
+        cp_async_16(shared_address(v_dst + offset), v_src, valid);
+      }
       if (column == 0) seen[stage * kTileN + row] = valid ? 1 : 0;
     }
   }
@@ -260,8 +291,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     paged_topk_kernel(const __grid_constant__ PagedKernelArgs args) {
   static_assert(Traits::kDecode && Traits::kGroups == 1 && !Traits::kPageIdRing,
                 "the decode's 4-warp block");
+  static_assert(Traits::kVChunks == 1, "v's columns in one block (v head dims up to 256)");
   static_assert(sizeof(KV) == Traits::kKVBytes, "traits of this cache");
-  constexpr int D = Traits::kHeadDim;
+  constexpr int D = Traits::kHeadDim;    // q and k
+  constexpr int DV = Traits::kHeadDimV;  // v and the output
   constexpr int kChunks = Traits::kChunksPerRow;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kTileN = Traits::kTileN;
@@ -370,7 +403,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
     const int stage = tile % kStages;
     const int32_t* stage_seen = seen + stage * kTileN + warp_col0;
     attend_kv_tile<Traits, T, KV, kE5M2>(
-        k_smem + stage * Traits::kTileElements, v_smem + stage * Traits::kTileElements, warp_col0,
+        k_smem + stage * Traits::kTileElements, v_smem + stage * Traits::kVTileElements, warp_col0,
         lane,
         [&](int, int ks, uint32_t (&a)[4]) {
           if constexpr (Traits::kQInRegisters) {
@@ -428,7 +461,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
       const FinishedRow finished = finish_row(merged.m[i], l, -INFINITY);
       const float inv = finished.inv * scales.v;
       const int64_t index = ((int64_t)split * p.num_tokens + token) * p.num_q_heads + head;
-      *reinterpret_cast<float4*>(args.partial_out + index * D + c) =
+      *reinterpret_cast<float4*>(args.partial_out + index * DV + c) =
           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
       if (c == 0) args.partial_lse[index] = finished.lse_log2;
     }
@@ -436,10 +469,11 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 }
 
 // The listing pass, the attention kernel on the plan's splits, the merge kernel after more than
-// one, and for a prefill the rows no sequence places for sure (query_rows.cuh) as NaN.
-template <int D, typename T, typename KV>
+// one, and for a prefill the rows no sequence places for sure (query_rows.cuh) as NaN. D: q and
+// k's head dim, DV: v's (the decode's 4-warp block, traits.h).
+template <int D, int DV, typename T, typename KV>
 LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream) {
-  using Traits = DecodeTraits<D, sizeof(KV)>;
+  using Traits = DecodeTraits<D, sizeof(KV), DV>;
   const PagedAttentionParams& p = args.base;
   if (args.listed_positions == nullptr || args.topk_table_slots < 32 ||
       (args.topk_table_slots & (args.topk_table_slots - 1)) != 0 || args.topk_table_slots <= p.topk)
@@ -482,7 +516,7 @@ LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream) {
                   static_cast<unsigned>(args.num_splits));
   kernel<<<grid, Traits::kBlockThreads, Traits::kBlockSmemBytes, stream>>>(args);
   LaunchStatus status = status_after_launch("paged_topk_kernel");
-  if (status.ok() && args.num_splits > 1) status = launch_paged_decode_merge<T, D>(args, stream);
+  if (status.ok() && args.num_splits > 1) status = launch_paged_decode_merge<T, DV>(args, stream);
   if (status.ok() && args.query_start_loc != nullptr)
     status = launch_unplaced_rows_poison(args, stream, /*dependent=*/false);
   return status;
