@@ -68,6 +68,14 @@ struct MlaAttentionParams {
   float scale;
 };
 
+// The tensor-core kernel's split workspace (plan.num_splits > 1; else null): split s of packed
+// row r = token * H + head writes its output normalised by its own softmax sum and its log2-sum-
+// exp (-inf: it saw nothing; NaN: poisoned), which the merge kernel combines into out and lse.
+struct MlaSplitWorkspace {
+  float* out = nullptr;  // [num_splits, T * H, Dc] float32
+  float* lse = nullptr;  // [num_splits, T * H] float32, log2 units
+};
+
 // ckv_cache[slot / S, slot % S, :] = ckv[t, :] and krope_cache[slot / S, slot % S, :] = krope[t, :]
 // for every token t whose slot_mapping[t] = slot is in [0, P * S); other slots (negative:
 // padding) skip the token. An FP8 latent stores fp8(clamp(ckv[t, :] / ckv_scale[0], -448, 448)),
