@@ -222,6 +222,26 @@ TEST(MlaPlan, TheSimpleKernelIsTheFallbackBelowSm90AndForGridsTooTall) {
             MlaKernel::kSimple);
 }
 
+TEST(MlaPlan, TheTuningForcesTheSimpleKernelOrASplitCount) {
+  KernelTuning tuning;
+  ASSERT_EQ(parse_kernel_tuning("mla_kernel=simple", &tuning), "");
+  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 4096), h100(), tuning).kernel,
+            MlaKernel::kSimple);
+  ASSERT_EQ(parse_kernel_tuning("mla_kernel=tensor_core,mla_splits=7", &tuning), "");
+  const MlaPlan plan = plan_mla_attention(decode_shape(200, 128, 4096), h100(), tuning);
+  EXPECT_EQ(plan.kernel, MlaKernel::kTensorCore);
+  EXPECT_EQ(plan.num_splits, 7);
+  EXPECT_EQ(describe_plan(plan), "tensor_core/split x7");
+  // A preference: where the tensor-core kernel cannot run, the simple one does.
+  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 4096), a100(), tuning).kernel,
+            MlaKernel::kSimple);
+  for (const char* bad : {"mla_kernel=fast", "mla_splits=0", "mla_splits=65"}) {
+    KernelTuning unchanged = tuning;
+    EXPECT_NE(parse_kernel_tuning(bad, &unchanged), "") << bad;
+    EXPECT_EQ(unchanged.mla_splits, 7) << bad;
+  }
+}
+
 TEST(MlaPlan, RefusesGridsItCannotLaunch) {
   EXPECT_FALSE(plan_mla_attention(prefill_shape(1 << 20, 1 << 12, 16, 4096), a100()).error.empty());
   EXPECT_FALSE(plan_mla_attention(prefill_shape(2, 0, 16, 4096), h100()).error.empty());

@@ -20,6 +20,7 @@
 #include "kernels/paged_attention/launch.h"  // current_device_facts
 #include "ops/mla_attention_args.h"
 #include "support/check.h"
+#include "support/kernel_settings.h"
 #include "support/torch_scalar_type.h"
 
 namespace astr::backends {
@@ -116,7 +117,8 @@ kernels::MlaPlan mla_plan(const MlaAttentionArgs& a, const kernels::MlaAttention
   shape.decode = a.decode();
   shape.fp8 = params.ckv_dtype == ScalarType::kFloat8E4M3;
   shape.max_seq_len = a.block_table.size(1) * a.ckv_cache.size(1);
-  return kernels::plan_mla_attention(shape, kernels::current_device_facts());
+  return kernels::plan_mla_attention(shape, kernels::current_device_facts(),
+                                     current_kernel_tuning());
 }
 
 std::tuple<at::Tensor, at::Tensor> cuda_mla_attention(

@@ -20,7 +20,8 @@ int tensor_core_splits(int64_t blocks, int64_t max_seq_len, int num_sms) {
 
 }  // namespace
 
-MlaPlan plan_mla_attention(const MlaCallShape& shape, const DeviceFacts& device) {
+MlaPlan plan_mla_attention(const MlaCallShape& shape, const DeviceFacts& device,
+                           const KernelTuning& tuning) {
   MlaPlan plan;
   const int64_t rows_per_seq = shape.decode ? 1 : shape.max_query_len;
   plan.poison_unplaced_rows = !shape.decode;
@@ -31,12 +32,15 @@ MlaPlan plan_mla_attention(const MlaCallShape& shape, const DeviceFacts& device)
   // The tensor-core form: sm_90 (its shared memory), a row-tile count grid y can hold.
   const int64_t row_tiles = ceil_div(rows_per_seq * shape.num_heads, kMlaTcRows);
   const int tc_smem = mla_tensor_core_smem_bytes(shape.fp8);
-  if (device.arch >= 90 && tc_smem <= device.max_smem_per_block && row_tiles <= kMlaTcMaxRowTiles &&
+  // The tuning's mla_kernel=simple forgoes it; its mla_splits replaces the rule's count.
+  if (tuning.mla_kernel != MlaKernel::kSimple && device.arch >= 90 &&
+      tc_smem <= device.max_smem_per_block && row_tiles <= kMlaTcMaxRowTiles &&
       shape.num_seqs <= INT32_MAX) {
     plan.kernel = MlaKernel::kTensorCore;
     plan.row_tiles = row_tiles;
-    plan.num_splits =
-        tensor_core_splits(shape.num_seqs * row_tiles, shape.max_seq_len, device.num_sms);
+    plan.num_splits = tuning.mla_splits > 0 ? std::min(tuning.mla_splits, kMlaTcMaxSplits)
+                                            : tensor_core_splits(shape.num_seqs * row_tiles,
+                                                                 shape.max_seq_len, device.num_sms);
     plan.threads = kMlaTcThreads;
     plan.smem_bytes = tc_smem;
     return plan;

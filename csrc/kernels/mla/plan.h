@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../paged_attention/plan.h"  // DeviceFacts
+#include "../paged_attention/plan.h"  // DeviceFacts, KernelTuning, MlaKernel
 #include "config.h"
 
 namespace astr::kernels {
@@ -45,10 +45,8 @@ constexpr int kMlaTcRowElements = kMlaLatentDim + kMlaRopeDim + 8;
 // A split takes at least this many positions of the block table's capacity, and a call at most
 // kMlaTcMaxSplits splits (the merge reads them all for each row).
 constexpr int kMlaTcMinSplitKeys = 256;
-constexpr int kMlaTcMaxSplits = 64;
+constexpr int kMlaTcMaxSplits = 64;       // also KernelTuning's bound on mla_splits
 constexpr int kMlaTcMaxRowTiles = 65535;  // grid y
-
-enum class MlaKernel : int { kSimple, kTensorCore };
 
 // What the plan reads of a call: shapes and host bounds, never tensor values.
 struct MlaCallShape {
@@ -61,7 +59,7 @@ struct MlaCallShape {
 };
 
 struct MlaPlan {
-  MlaKernel kernel = MlaKernel::kSimple;
+  MlaKernel kernel = MlaKernel::kSimple;  // never kAuto
   int64_t grid_rows = 0;   // simple: grid x, B (decode) or B * max_query_len (row i of b)
   int64_t grid_heads = 0;  // simple: grid y, head groups of kMlaHeadsPerBlock
   int64_t row_tiles = 0;   // tensor_core: grid y, tiles of kMlaTcRows (new token, head) rows
@@ -72,7 +70,9 @@ struct MlaPlan {
   std::string error;                  // set when the call cannot be launched
 };
 
-MlaPlan plan_mla_attention(const MlaCallShape& shape, const DeviceFacts& device);
+// The tuning's mla_kernel and mla_splits (KernelTuning) override the rule, for tests and A/B runs.
+MlaPlan plan_mla_attention(const MlaCallShape& shape, const DeviceFacts& device,
+                           const KernelTuning& tuning = {});
 
 // The plan in the kernel table's words: "tensor_core/split x4", "tensor_core", "simple".
 std::string describe_plan(const MlaPlan& plan);
