@@ -3,7 +3,10 @@
 // memo key that keeps latent and plain calls apart, and the cuda kernel's plan.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "../../csrc/kernels/mla/plan.h"
 #include "capability.h"
@@ -239,6 +242,53 @@ TEST(MlaPlan, TheTuningForcesTheSimpleKernelOrASplitCount) {
     KernelTuning unchanged = tuning;
     EXPECT_NE(parse_kernel_tuning(bad, &unchanged), "") << bad;
     EXPECT_EQ(unchanged.mla_splits, 7) << bad;
+  }
+}
+
+// csrc/README.md's latent kernel table, row by row through the plan: "| GPU | heads | call |
+// cache | batch | kernel |", call "decode" or "prefill Q=N", batch "B=N L=N".
+std::vector<std::vector<std::string>> latent_table_rows() {
+  std::ifstream file(ASTR_CSRC_README);
+  std::vector<std::vector<std::string>> rows;
+  std::string line;
+  bool inside = false;
+  while (std::getline(file, line)) {
+    if (line == "<!-- latent kernel table begin -->") inside = true;
+    if (line == "<!-- latent kernel table end -->") break;
+    if (!inside || line.rfind("| ", 0) != 0 || line.find("---") != std::string::npos) continue;
+    std::vector<std::string> cells;
+    std::stringstream cells_text(line.substr(1));
+    std::string cell;
+    while (std::getline(cells_text, cell, '|')) {
+      const size_t first = cell.find_first_not_of(" `"), last = cell.find_last_not_of(" `");
+      cells.push_back(first == std::string::npos ? "" : cell.substr(first, last - first + 1));
+    }
+    if (cells.size() >= 6 && cells[0] != "GPU") rows.push_back(cells);
+  }
+  return rows;
+}
+
+int64_t value_after(const std::string& text, const std::string& key) {
+  const size_t at = text.find(key + "=");
+  return at == std::string::npos ? -1 : std::stoll(text.substr(at + key.size() + 1));
+}
+
+TEST(MlaPlan, TheReadmesLatentKernelTableIsWhatThePlanPicks) {
+  const auto rows = latent_table_rows();
+  ASSERT_GE(rows.size(), 5u) << "no latent kernel table in " << ASTR_CSRC_README;
+  for (const auto& row : rows) {
+    const DeviceFacts device = row[0].rfind("H100", 0) == 0 ? h100() : a100();
+    MlaCallShape shape =
+        decode_shape(value_after(row[4], "B"), std::stoll(row[1]), value_after(row[4], "L"));
+    if (row[2] != "decode") {
+      shape.decode = false;
+      shape.max_query_len = value_after(row[2], "Q");
+    }
+    shape.fp8 = row[3] == "FP8";
+    const MlaPlan plan = plan_mla_attention(shape, device);
+    EXPECT_TRUE(plan.error.empty()) << plan.error;
+    EXPECT_EQ(describe_plan(plan), row[5])
+        << row[0] << " " << row[1] << " " << row[2] << " " << row[3] << " " << row[4];
   }
 }
 
