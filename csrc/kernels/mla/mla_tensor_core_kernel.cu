@@ -305,6 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = 0; j < kOutTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
   const T* q_warp = q_tile + (row_group * 16) * kStride;
+  // A row group past the block's rows (16 heads of one token fill one of four) only copies.
+  const bool warp_has_rows = row_group * 16 < rows_here;
   int buf = 0;
   for (int tile = begin; tile < end; tile += kKeys, buf ^= 1) {
     if (tile + kKeys < end) load_tile(buf ^ 1, tile + kKeys);
@@ -325,88 +327,89 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncthreads();
     }
-
-    // S = Q K^T: the warp's 16 rows x 32 positions, 4 n8 tiles.
-    float s[kScoreTiles][4];
+    if (warp_has_rows) {
+      // S = Q K^T: the warp's 16 rows x 32 positions, 4 n8 tiles.
+      float s[kScoreTiles][4];
 #pragma unroll
-    for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll 4
-    for (int kk = 0; kk < kWidthSteps; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, q_warp + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+      for (int kk = 0; kk < kWidthSteps; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, q_warp + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
 #pragma unroll
-      for (int pair = 0; pair < kScoreTiles / 2; ++pair) {
-        uint32_t b[4];
-        ldmatrix_x4(b, kv + (pair * 16 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 +
-                           ((lane / 8) % 2) * 8);
-        mma_16816<T>(s[2 * pair], a, b[0], b[1]);
-        mma_16816<T>(s[2 * pair + 1], a, b[2], b[3]);
+        for (int pair = 0; pair < kScoreTiles / 2; ++pair) {
+          uint32_t b[4];
+          ldmatrix_x4(b, kv + (pair * 16 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 +
+                             ((lane / 8) % 2) * 8);
+          mma_16816<T>(s[2 * pair], a, b[0], b[1]);
+          mma_16816<T>(s[2 * pair + 1], a, b[2], b[3]);
+        }
+        if (kFp8 && kk == kLatentSteps - 1) {  // the latent part read stored values: scale it
+#pragma unroll
+          for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] *= ckv_scale;
+        }
       }
-      if (kFp8 && kk == kLatentSteps - 1) {  // the latent part read stored values: scale it
-#pragma unroll
-        for (int j = 0; j < kScoreTiles; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[j][e] *= ckv_scale;
-      }
-    }
 
-    // Online softmax of the thread's two rows (elements e / 2 == i), over its quad's columns.
-    float tile_max[2] = {-INFINITY, -INFINITY};
+      // Online softmax of the thread's two rows (elements e / 2 == i), over its quad's columns.
+      float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < kScoreTiles; ++j)
+      for (int j = 0; j < kScoreTiles; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int pos = tile + j * 8 + 2 * t + (e % 2);
-        const float logit = pos < row_end[e / 2] ? s[j][e] * scale_log2 : -INFINITY;
-        s[j][e] = logit;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], logit);
-      }
-    float rescale[2];
+        for (int e = 0; e < 4; ++e) {
+          const int pos = tile + j * 8 + 2 * t + (e % 2);
+          const float logit = pos < row_end[e / 2] ? s[j][e] * scale_log2 : -INFINITY;
+          s[j][e] = logit;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], logit);
+        }
+      float rescale[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 1));
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 2));
-      const float new_max = fmaxf(row_max[i], tile_max[i]);
-      const float base = new_max == -INFINITY ? 0.f : new_max;  // nothing seen yet: no inf - inf
-      rescale[i] = exp2f(row_max[i] - base);
-      row_max[i] = new_max;
-      tile_max[i] = base;
-      row_sum[i] *= rescale[i];
-    }
-#pragma unroll
-    for (int j = 0; j < kScoreTiles; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float weight = exp2f(s[j][e] - tile_max[e / 2]);
-        s[j][e] = weight;
-        row_sum[e / 2] += weight;
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 2));
+        const float new_max = fmaxf(row_max[i], tile_max[i]);
+        const float base = new_max == -INFINITY ? 0.f : new_max;  // nothing seen yet: no inf - inf
+        rescale[i] = exp2f(row_max[i] - base);
+        row_max[i] = new_max;
+        tile_max[i] = base;
+        row_sum[i] *= rescale[i];
       }
 #pragma unroll
-    for (int j = 0; j < kOutTiles; ++j) {
-      acc[j][0] *= rescale[0];
-      acc[j][1] *= rescale[0];
-      acc[j][2] *= rescale[1];
-      acc[j][3] *= rescale[1];
-    }
+      for (int j = 0; j < kScoreTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float weight = exp2f(s[j][e] - tile_max[e / 2]);
+          s[j][e] = weight;
+          row_sum[e / 2] += weight;
+        }
+#pragma unroll
+      for (int j = 0; j < kOutTiles; ++j) {
+        acc[j][0] *= rescale[0];
+        acc[j][1] *= rescale[0];
+        acc[j][2] *= rescale[1];
+        acc[j][3] *= rescale[1];
+      }
 
-    // O += P V over the warp's 256 columns: P's C fragments are the A fragments of its k16 steps.
-    const T* v_warp = kv + column_half * kWarpColumns;
+      // O += P V over the warp's 256 columns: P's C fragments are the A fragments of its k16 steps.
+      const T* v_warp = kv + column_half * kWarpColumns;
 #pragma unroll
-    for (int ks = 0; ks < kKeys / 16; ++ks) {
-      uint32_t a[4];
-      a[0] = pack2<T>(s[2 * ks][0], s[2 * ks][1]);
-      a[1] = pack2<T>(s[2 * ks][2], s[2 * ks][3]);
-      a[2] = pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      a[3] = pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      for (int ks = 0; ks < kKeys / 16; ++ks) {
+        uint32_t a[4];
+        a[0] = pack2<T>(s[2 * ks][0], s[2 * ks][1]);
+        a[1] = pack2<T>(s[2 * ks][2], s[2 * ks][3]);
+        a[2] = pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        a[3] = pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
 #pragma unroll
-      for (int pair = 0; pair < kOutTiles / 2; ++pair) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_warp + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride +
-                                 pair * 16 + (lane / 16) * 8);
-        mma_16816<T>(acc[2 * pair], a, b[0], b[1]);
-        mma_16816<T>(acc[2 * pair + 1], a, b[2], b[3]);
+        for (int pair = 0; pair < kOutTiles / 2; ++pair) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_warp + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride +
+                                   pair * 16 + (lane / 16) * 8);
+          mma_16816<T>(acc[2 * pair], a, b[0], b[1]);
+          mma_16816<T>(acc[2 * pair + 1], a, b[2], b[3]);
+        }
       }
-    }
+    }  // warp_has_rows
     __syncthreads();  // the buffer is consumed before the next iteration refills it
   }
   cp_async_wait<0>();
