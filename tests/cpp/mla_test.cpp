@@ -164,8 +164,9 @@ TEST(MlaPlan, Sm90RunsTheTensorCoreKernelOverRowTilesOfTokensTimesHeads) {
   EXPECT_EQ(decode.threads, 256);
   EXPECT_FALSE(decode.poison_unplaced_rows);
   EXPECT_EQ(describe_plan(decode), "tensor_core");
-  // The query tile and two tiles of 32 positions, 16-bit rows of 576 + 8.
-  EXPECT_EQ(decode.smem_bytes, (64 + 2 * 32) * 584 * 2);
+  // The query tile, two tiles of 32 positions (16-bit rows of 576 + 8), P (rows of 32 + 8) and
+  // two floats a row.
+  EXPECT_EQ(decode.smem_bytes, (64 + 2 * 32) * 584 * 2 + 64 * 40 * 2 + 2 * 64 * 4);
   // s_q = 2 (a prefill of 2 new tokens): both tokens' heads share the tiles.
   EXPECT_EQ(plan_mla_attention(prefill_shape(200, 2, 128, 32768), h100()).row_tiles, 4);
   EXPECT_EQ(plan_mla_attention(prefill_shape(200, 2, 16, 32768), h100()).row_tiles, 1);
@@ -181,7 +182,7 @@ TEST(MlaPlan, TheFp8LatentAddsItsStagingTiles) {
   shape.fp8 = true;
   const MlaPlan plan = plan_mla_attention(shape, h100());
   EXPECT_EQ(plan.kernel, MlaKernel::kTensorCore);
-  EXPECT_EQ(plan.smem_bytes, (64 + 2 * 32) * 584 * 2 + 2 * 32 * 512);
+  EXPECT_EQ(plan.smem_bytes, (64 + 2 * 32) * 584 * 2 + 64 * 40 * 2 + 2 * 64 * 4 + 2 * 32 * 512);
   EXPECT_LE(plan.smem_bytes, h100().max_smem_per_block);
 }
 

@@ -11,11 +11,13 @@
 //     as raw bytes in a staging buffer and is converted to q's dtype in shared memory (exactly:
 //     every e4m3 value is a bf16 and an fp16); its scale multiplies the latent part of the scores
 //     and the output instead, in float32.
-//   - Warp w takes rows 16 (w % 4) .. + 15 and output columns 256 (w / 4) .. + 255. It computes
-//     the scores of its 16 rows against all 32 positions of the tile (S = Qn Ckv^T + Qr Kr^T,
-//     mma.sync m16n8k16, float32 accumulators; the two warps of a row group both compute them,
-//     which keeps P in registers), the online softmax of its rows in registers, and O += P Ckv
-//     over its 256 columns (128 float32 accumulators a thread).
+//   - Warp w takes rows 16 (w % 4) .. + 15 and output columns 256 (w / 4) .. + 255; the two warps
+//     of a row group (w and w + 4) are a pair that meets at its own named barrier. Each computes
+//     the scores of its 16 rows against its half of the tile's 32 positions (S = Qn Ckv^T +
+//     Qr Kr^T, mma.sync m16n8k16, float32 accumulators), the pair exchanges the rows' maxima
+//     through shared memory, each writes its half of P (16-bit) there, and each then computes
+//     O += P Ckv over its 256 columns and all 32 positions (128 float32 accumulators a thread).
+//     Each keeps the softmax sum of its own positions; the pair adds them at the end.
 //   - One split: out and lse written directly. Several: each split writes its normalised output
 //     and log2-sum-exp to the workspace and mla_merge_splits_kernel combines them.
 //
@@ -51,13 +53,16 @@ constexpr int kRowGroups = kRows / 16;                     // 4 warps' rows
 constexpr int kColumnHalves = kThreads / 32 / kRowGroups;  // 2 warps' columns
 constexpr int kWarpColumns = kLatent / kColumnHalves;      // 256
 constexpr int kOutTiles = kWarpColumns / 8;                // n8 tiles of a warp's output: 32
-constexpr int kScoreTiles = kKeys / 8;                     // n8 tiles of a tile's scores: 4
+constexpr int kWarpKeys = kKeys / kColumnHalves;           // positions a warp scores: 16
+constexpr int kScoreTiles = kWarpKeys / 8;                 // n8 tiles of a warp's scores: 2
+constexpr int kProbStride = kMlaTcProbElements;            // P's row stride, elements
 constexpr int kWidthSteps = kWidth / 16;                   // k16 steps of a score: 36
 constexpr int kLatentSteps = kLatent / 16;                 // of which the latent's: 32
 constexpr int kChunks16 = kWidth / 8;                      // 16-byte pieces of a 16-bit row
 static_assert(kRowGroups * kColumnHalves * 32 == kThreads, "8 warps: 4 row groups x 2 halves");
 static_assert(kStride % 8 == 0 && (kStride / 8) % 2 == 1, "16-byte rows, odd in 16-byte units");
-static_assert(kKeys % 16 == 0, "P's k16 steps");
+static_assert(kKeys % 16 == 0 && kWarpKeys == 16, "P's k16 steps; a warp scores one x4 load");
+static_assert(kProbStride % 8 == 0 && (kProbStride / 8) % 2 == 1, "P's rows padded as the tiles'");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -109,6 +114,11 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_address(p)));
 }
+// The two warps of row group `group` (warps group and group + 4) wait for each other.
+__device__ __forceinline__ void pair_barrier(int group) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(1 + group));
+}
+
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -164,10 +174,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     mla_tensor_core_kernel(const __grid_constant__ MlaAttentionParams p,
                            const __grid_constant__ MlaSplitWorkspace workspace) {
   extern __shared__ __align__(16) unsigned char smem_bytes[];
-  T* q_tile = reinterpret_cast<T*>(smem_bytes);  // [kRows][kStride]
-  T* kv_tiles = q_tile + kRows * kStride;        // [2][kKeys][kStride]: latent, then rope
-  uint8_t* fp8_tiles =
-      reinterpret_cast<uint8_t*>(kv_tiles + 2 * kKeys * kStride);  // [2][kKeys][Dc]
+  T* q_tile = reinterpret_cast<T*>(smem_bytes);   // [kRows][kStride]
+  T* kv_tiles = q_tile + kRows * kStride;         // [2][kKeys][kStride]: latent, then rope
+  T* prob_tile = kv_tiles + 2 * kKeys * kStride;  // [kRows][kProbStride]: the tile's P
+  float* row_exchange = reinterpret_cast<float*>(prob_tile + kRows * kProbStride);  // [2][kRows]
+  uint8_t* fp8_tiles = reinterpret_cast<uint8_t*>(row_exchange + 2 * kRows);  // [2][kKeys][Dc]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -328,22 +339,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
     }
     if (warp_has_rows) {
-      // S = Q K^T: the warp's 16 rows x 32 positions, 4 n8 tiles.
+      // S = Q K^T: the warp's 16 rows x its 16 positions (column_half's), 2 n8 tiles.
+      const int key0 = column_half * kWarpKeys;  // the warp's first position in the tile
       float s[kScoreTiles][4];
 #pragma unroll
       for (int j = 0; j < kScoreTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll 4
       for (int kk = 0; kk < kWidthSteps; ++kk) {
-        uint32_t a[4];
+        uint32_t a[4], b[4];
         ldmatrix_x4(a, q_warp + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-        for (int pair = 0; pair < kScoreTiles / 2; ++pair) {
-          uint32_t b[4];
-          ldmatrix_x4(b, kv + (pair * 16 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 +
-                             ((lane / 8) % 2) * 8);
-          mma_16816<T>(s[2 * pair], a, b[0], b[1]);
-          mma_16816<T>(s[2 * pair + 1], a, b[2], b[3]);
-        }
+        ldmatrix_x4(
+            b, kv + (key0 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+        mma_16816<T>(s[0], a, b[0], b[1]);
+        mma_16816<T>(s[1], a, b[2], b[3]);
         if (kFp8 && kk == kLatentSteps - 1) {  // the latent part read stored values: scale it
 #pragma unroll
           for (int j = 0; j < kScoreTiles; ++j)
@@ -352,37 +360,51 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 
-      // Online softmax of the thread's two rows (elements e / 2 == i), over its quad's columns.
+      // Online softmax of the thread's two rows (elements e / 2 == i): the maximum over its
+      // quad's columns, then over the pair's (both warps then hold the same maxima).
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int j = 0; j < kScoreTiles; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int pos = tile + j * 8 + 2 * t + (e % 2);
+          const int pos = tile + key0 + j * 8 + 2 * t + (e % 2);
           const float logit = pos < row_end[e / 2] ? s[j][e] * scale_log2 : -INFINITY;
           s[j][e] = logit;
           tile_max[e / 2] = fmaxf(tile_max[e / 2], logit);
         }
-      float rescale[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 1));
         tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 2));
-        const float new_max = fmaxf(row_max[i], tile_max[i]);
+        if (t == 0) row_exchange[column_half * kRows + row_group * 16 + g + 8 * i] = tile_max[i];
+      }
+      pair_barrier(row_group);
+      float rescale[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float other = row_exchange[(1 - column_half) * kRows + row_group * 16 + g + 8 * i];
+        const float new_max = fmaxf(row_max[i], fmaxf(tile_max[i], other));
         const float base = new_max == -INFINITY ? 0.f : new_max;  // nothing seen yet: no inf - inf
         rescale[i] = exp2f(row_max[i] - base);
         row_max[i] = new_max;
         tile_max[i] = base;
         row_sum[i] *= rescale[i];
       }
+      // P of the warp's positions into the shared tile: rows g and g + 8, columns 2t and 2t + 1.
+      T* prob_warp = prob_tile + (row_group * 16) * kProbStride + key0;
 #pragma unroll
-      for (int j = 0; j < kScoreTiles; ++j)
+      for (int j = 0; j < kScoreTiles; ++j) {
+        float weight[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float weight = exp2f(s[j][e] - tile_max[e / 2]);
-          s[j][e] = weight;
-          row_sum[e / 2] += weight;
+          weight[e] = exp2f(s[j][e] - tile_max[e / 2]);
+          row_sum[e / 2] += weight[e];
         }
+        *reinterpret_cast<uint32_t*>(prob_warp + g * kProbStride + j * 8 + 2 * t) =
+            pack2<T>(weight[0], weight[1]);
+        *reinterpret_cast<uint32_t*>(prob_warp + (g + 8) * kProbStride + j * 8 + 2 * t) =
+            pack2<T>(weight[2], weight[3]);
+      }
 #pragma unroll
       for (int j = 0; j < kOutTiles; ++j) {
         acc[j][0] *= rescale[0];
@@ -390,16 +412,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc[j][2] *= rescale[1];
         acc[j][3] *= rescale[1];
       }
+      pair_barrier(row_group);  // the pair's P is written
 
-      // O += P V over the warp's 256 columns: P's C fragments are the A fragments of its k16 steps.
+      // O += P V over the warp's 256 columns and the tile's 32 positions.
       const T* v_warp = kv + column_half * kWarpColumns;
+      const T* prob_rows = prob_tile + (row_group * 16) * kProbStride;
 #pragma unroll
       for (int ks = 0; ks < kKeys / 16; ++ks) {
         uint32_t a[4];
-        a[0] = pack2<T>(s[2 * ks][0], s[2 * ks][1]);
-        a[1] = pack2<T>(s[2 * ks][2], s[2 * ks][3]);
-        a[2] = pack2<T>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-        a[3] = pack2<T>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+        ldmatrix_x4(a, prob_rows + (lane % 16) * kProbStride + ks * 16 + (lane / 16) * 8);
 #pragma unroll
         for (int pair = 0; pair < kOutTiles / 2; ++pair) {
           uint32_t b[4];
@@ -414,13 +435,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   cp_async_wait<0>();
 
-  // ---- Epilogue: each row's sum over its quad; out = acc / sum (times the FP8 scale) ----
+  // ---- Epilogue: each row's sum over its quad and the pair's two halves of the positions (the
+  // exchange's last reads were before the loop's closing barrier); out = acc / sum (times the FP8
+  // scale) ----
+  float sums[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    float sum = row_sum[i];
-    sum += __shfl_xor_sync(kFullMask, sum, 1);
-    sum += __shfl_xor_sync(kFullMask, sum, 2);
+    sums[i] = row_sum[i];
+    sums[i] += __shfl_xor_sync(kFullMask, sums[i], 1);
+    sums[i] += __shfl_xor_sync(kFullMask, sums[i], 2);
+    if (warp_has_rows && t == 0)
+      row_exchange[column_half * kRows + row_group * 16 + g + 8 * i] = sums[i];
+  }
+  if (warp_has_rows) pair_barrier(row_group);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
     const int r = row_group * 16 + g + 8 * i;
+    const float sum = sums[i] + (warp_has_rows ? row_exchange[(1 - column_half) * kRows + r] : 0.f);
     if (r >= rows_here) continue;
     const int row = row0 + r;
     const RowPlace place = row_place(rows, row, heads);

@@ -42,6 +42,9 @@ constexpr int kMlaTcRows = 64;
 constexpr int kMlaTcKeys = 32;
 constexpr int kMlaTcThreads = 256;
 constexpr int kMlaTcRowElements = kMlaLatentDim + kMlaRopeDim + 8;
+// The tile's probabilities P (16-bit, rows padded likewise), which the two warps of a row group
+// share: each computes the scores of half the positions.
+constexpr int kMlaTcProbElements = kMlaTcKeys + 8;
 // A split takes at least this many positions of the block table's capacity, and a call at most
 // kMlaTcMaxSplits splits (the merge reads them all for each row).
 constexpr int kMlaTcMinSplitKeys = 256;
@@ -77,10 +80,12 @@ MlaPlan plan_mla_attention(const MlaCallShape& shape, const DeviceFacts& device,
 // The plan in the kernel table's words: "tensor_core/split x4", "tensor_core", "simple".
 std::string describe_plan(const MlaPlan& plan);
 
-// The tensor-core kernel's shared memory: the query tile and two tiles of positions (16-bit),
-// and for an FP8 latent two staging tiles of its raw bytes.
+// The tensor-core kernel's shared memory: the query tile and two tiles of positions (16-bit), the
+// tile's P and two float32s a row (the row groups' exchanged maxima and sums), and for an FP8
+// latent two staging tiles of its raw bytes.
 constexpr int mla_tensor_core_smem_bytes(bool fp8) {
   return (kMlaTcRows + 2 * kMlaTcKeys) * kMlaTcRowElements * 2 +
+         kMlaTcRows * kMlaTcProbElements * 2 + 2 * kMlaTcRows * 4 +
          (fp8 ? 2 * kMlaTcKeys * kMlaLatentDim : 0);
 }
 
