@@ -227,6 +227,43 @@ def test_the_resolver_picks_cuda_for_a_bf16_latent_call():
     assert explain_mla(*fp32.op_args()).backend == "torch_native"
 
 
+# -- NaN inputs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "s_q=2"])
+def test_a_nan_in_a_query_row_makes_that_row_nan(decode, kernel):
+    """Out and lse NaN, with or without splits (a merge that took the row's splits for empty
+    ones wrote zeros); the other rows keep their values."""
+    batch = batch_on_gpu(
+        SEQ_LENS,
+        [1 if decode else 2] * len(SEQ_LENS),
+        heads=16,
+        page_size=16,
+        dtype=torch.bfloat16,
+        decode=decode,
+    )
+    good, _ = cuda_mla(batch)
+    batch.q_nope[3, 5, 7] = float("nan")
+    out, lse = cuda_mla(batch, return_lse=True)
+    assert torch.isnan(out[3, 5]).all() and torch.isnan(lse[3, 5])
+    others = torch.ones(out.shape[:2], dtype=torch.bool, device=out.device)
+    others[3, 5] = False
+    assert torch.equal(out[others], good[others])
+
+
+def test_a_nan_latent_a_row_sees_makes_the_row_nan(kernel):
+    """Position 10 of sequence 4 (1000 positions): with splits only the first sees it, and the
+    merge must not drop that split for the others' finite average."""
+    batch = batch_on_gpu(
+        SEQ_LENS, [1] * len(SEQ_LENS), heads=16, page_size=16, dtype=torch.bfloat16, decode=True
+    )
+    good, _ = cuda_mla(batch)
+    batch.ckv_cache[batch.block_table[4, 0], 10] = float("nan")
+    out, lse = cuda_mla(batch, return_lse=True)
+    assert torch.isnan(out[4]).all() and torch.isnan(lse[4]).all()
+    assert torch.equal(out[:4], good[:4])
+
+
 # -- bad metadata ----------------------------------------------------------------------------
 
 

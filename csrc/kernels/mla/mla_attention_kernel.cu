@@ -250,14 +250,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     const float row_max = __shfl_sync(kFullMask, running_max, h * kKeys);
     const int head = head0 + warp * kHeadsPerWarp + h;
     if (head >= p.num_heads) continue;
-    const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+    // sum is 0 for a row that saw nothing, NaN where a score was NaN or inf: NaN out and lse.
+    const bool saw_nothing = sum == 0.f;
+    const float inverse = saw_nothing ? 0.f : 1.f / sum;
     T* out = static_cast<T*>(p.out) + row.token * p.out_stride_token + head * p.out_stride_head;
 #pragma unroll
     for (int i = 0; i < kColumnsPerLane; ++i)
       out[lane + 32 * i] = from_float<T>(acc[h][i] * inverse);
     if (p.lse != nullptr && lane == 0)
       p.lse[row.token * p.lse_stride_token + head] =
-          sum > 0.f ? (row_max + log2f(sum)) * kLn2 : -INFINITY;
+          saw_nothing ? -INFINITY : (row_max + log2f(sum)) * kLn2;
   }
 }
 

@@ -455,7 +455,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (r >= rows_here) continue;
     const int row = row0 + r;
     const RowPlace place = row_place(rows, row, heads);
-    const float inverse = sum > 0.f ? ckv_scale / sum : 0.f;
+    // sum is 0 for a row that saw nothing, NaN where a score was NaN or inf (a NaN or inf in q
+    // or the cache): that NaN stays in out and lse, so that the merge makes the row NaN too.
+    const bool saw_nothing = sum == 0.f;
+    const float inverse = saw_nothing ? 0.f : ckv_scale / sum;
     const int column0 = column_half * kWarpColumns + 2 * t;
     if (split_output) {
       float* out =
@@ -475,13 +478,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             pack2<T>(acc[j][2 * i] * inverse, acc[j][2 * i + 1] * inverse);
       }
     }
-    if (column_half == 0 && t == 0) write_lse(row, sum > 0.f ? row_max[i] + log2f(sum) : -INFINITY);
+    if (column_half == 0 && t == 0)
+      write_lse(row, saw_nothing ? -INFINITY : row_max[i] + log2f(sum));
   }
 }
 
 // out and lse of packed row r from the splits' partial results: weights 2^(lse_s - max), skipping
-// the splits that saw nothing (their weight is 0); any NaN split (poisoned) makes the row NaN,
-// none that saw anything makes it zeros with lse -inf. A warp per row, 16 columns a lane.
+// the splits that saw nothing (their weight is 0); any NaN split (poisoned, or a NaN score) makes
+// the row NaN, none that saw anything makes it zeros with lse -inf. A warp per row, 16 columns a
+// lane.
 template <typename T>
 __global__ void __launch_bounds__(256)
     mla_merge_splits_kernel(const __grid_constant__ MlaAttentionParams p,

@@ -19,7 +19,8 @@ namespace astr::kernels {
 //   score(pos) = scale * (q_nope[row, h] . ckv(pos) + q_rope[row, h] . krope(pos))
 //   out[row, h] = sum over the visible pos of softmax(score)(pos) * ckv(pos)
 // An FP8 latent reads ckv(pos) = stored.float() * ckv_scale[0]. A row that sees nothing is written
-// as zeros with lse -inf (decode: a length of 0 is a padding slot).
+// as zeros with lse -inf (decode: a length of 0 is a padding slot); a row with a NaN or inf score
+// (a NaN or inf in its query or in a position it sees) is NaN, out and lse, with or without splits.
 //
 // Bad metadata is never followed outside the tensors (page ids outside [0, P) are not read;
 // lengths are clamped to the block table) and the rows it concerns are NaN, as the paged
