@@ -201,6 +201,20 @@ TEST(MlaPlan, SplitsFillTheSmsFromShapesAlone) {
   EXPECT_EQ(plan_mla_attention(decode_shape(128, 128, 32768), h100()).num_splits, 1);
 }
 
+TEST(MlaPlan, MoreTokensThanTheGridPlacesTakeOneSplitAndNoWorkspace) {
+  // One sequence of at most 1 new token, 16 heads: the rule's 64 splits.
+  MlaCallShape shape = prefill_shape(1, 1, 16, 32768);
+  shape.num_tokens = 1;
+  EXPECT_EQ(plan_mla_attention(shape, h100()).num_splits, 64);
+  // 100000 tokens (bad metadata: the rows past max_query_len are poisoned): a workspace of
+  // 64 x 100000 x 16 rows of 2 KiB would be 200 GiB.
+  shape.num_tokens = 100000;
+  EXPECT_EQ(plan_mla_attention(shape, h100()).num_splits, 1);
+  KernelTuning tuning;
+  ASSERT_EQ(parse_kernel_tuning("mla_splits=7", &tuning), "");
+  EXPECT_EQ(plan_mla_attention(shape, h100(), tuning).num_splits, 1);
+}
+
 TEST(MlaPlan, TheSimpleKernelIsTheFallbackBelowSm90AndForGridsTooTall) {
   const MlaPlan decode = plan_mla_attention(decode_shape(64, 128, 4096), a100());
   EXPECT_TRUE(decode.error.empty());

@@ -117,6 +117,7 @@ kernels::MlaPlan mla_plan(const MlaAttentionArgs& a, const kernels::MlaAttention
   shape.decode = a.decode();
   shape.fp8 = params.ckv_dtype == ScalarType::kFloat8E4M3;
   shape.max_seq_len = a.block_table.size(1) * a.ckv_cache.size(1);
+  shape.num_tokens = params.num_tokens;
   return kernels::plan_mla_attention(shape, kernels::current_device_facts(),
                                      current_kernel_tuning());
 }

@@ -41,6 +41,10 @@ MlaPlan plan_mla_attention(const MlaCallShape& shape, const DeviceFacts& device,
     plan.num_splits = tuning.mla_splits > 0 ? std::min(tuning.mla_splits, kMlaTcMaxSplits)
                                             : tensor_core_splits(shape.num_seqs * row_tiles,
                                                                  shape.max_seq_len, device.num_sms);
+    // The workspace holds splits x T x H rows, bounded by the grid's rows only while T <= B x
+    // max_query_len; more tokens than that is bad metadata (poisoned rows), which must not cost
+    // an allocation the size of T times the splits: one split, no workspace.
+    if (shape.num_tokens > shape.num_seqs * rows_per_seq) plan.num_splits = 1;
     plan.threads = kMlaTcThreads;
     plan.smem_bytes = tc_smem;
     return plan;

@@ -59,6 +59,7 @@ struct MlaCallShape {
   bool decode = true;
   bool fp8 = false;         // an e4m3 latent cache
   int64_t max_seq_len = 0;  // block-table width x page size: the most positions a sequence has
+  int64_t num_tokens = 0;   // T, which sizes the splits' workspace (0: not known, not bounded)
 };
 
 struct MlaPlan {
