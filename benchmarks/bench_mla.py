@@ -67,12 +67,14 @@ def latent_case(heads: int, batch: int, length: int, tokens: int):
 
 
 def astrai_call(case, fp8: bool):
+    """The op's call and the kernel its plan picks ("tensor_core/split x4": csrc/README.md's
+    latent kernel table; ASTR_KERNEL_TUNING=mla_kernel=simple times the simple kernel)."""
     args = dict(case, backend="cuda")
     if fp8:
         scale = case["ckv_cache"].float().abs().amax() / 448
         args["ckv_cache"] = (case["ckv_cache"].float() / scale).to(torch.float8_e4m3fn)
         args["ckv_scale"] = scale.reshape(1)
-    return lambda: torch.ops.astr.mla_attention(**args)
+    return (lambda: torch.ops.astr.mla_attention(**args)), torch.ops.astr.cuda_mla_plan(**args)
 
 
 def flashinfer_call(case):
@@ -141,7 +143,12 @@ def main() -> int:
                 for tokens in args.tokens:
                     case = latent_case(heads, batch, length, tokens)
                     names = ["astrai bf16", "astrai fp8"]
-                    fns = [astrai_call(case, False), astrai_call(case, True)]
+                    (bf16_fn, bf16_kernel), (fp8_fn, fp8_kernel) = (
+                        astrai_call(case, False),
+                        astrai_call(case, True),
+                    )
+                    fns = [bf16_fn, fp8_fn]
+                    kernels = {"astrai bf16": bf16_kernel, "astrai fp8": fp8_kernel}
                     notes = {}
                     for name, (fn, why) in (
                         ("flashinfer bf16", flashinfer_call(case)),
@@ -166,6 +173,7 @@ def main() -> int:
                         row = dict(
                             shape=shape,
                             impl=name,
+                            kernel=kernels.get(name, ""),
                             us=us,
                             latent_GBps=rate / 1e9,
                             copy_share=rate / copy_rate,
@@ -178,7 +186,7 @@ def main() -> int:
                         print(
                             f"{shape:<30} {name:<18} {us:10.1f} us {rate / 1e9:8.0f} GB/s "
                             f"{row['copy_share']:6.1%} {row['TFLOPs']:7.1f} TFLOP/s "
-                            f"fi {versus:>6}  bf16 {row['vs_bf16']:.2f}x"
+                            f"fi {versus:>6}  bf16 {row['vs_bf16']:.2f}x  {row['kernel']}"
                         )
                     for name, why in notes.items():
                         print(f"{shape:<30} {name:<18} not run: {why}")
@@ -194,17 +202,18 @@ def main() -> int:
         f"latent {LATENT} + rope {ROPE}, page {PAGE}, shuffled pages; copy rate "
         f"{ceilings['copy_TBps']:.2f} TB/s; medians of {args.repeats}, L2 emptied before each run.",
         "",
-        "| shape | impl | us | latent GB/s | of copy rate | TFLOP/s | FlashInfer / this | "
+        "| shape | impl | kernel | us | latent GB/s | of copy rate | TFLOP/s | FlashInfer / this | "
         "this / astrai bf16 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['impl']} | not run: {r['skipped']} | | | | | |")
+            lines.append(f"| {r['shape']} | {r['impl']} | | not run: {r['skipped']} | | | | | |")
             continue
         versus = f"{r['vs_flashinfer']:.2f}" if r["vs_flashinfer"] else "-"
         lines.append(
-            f"| {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['latent_GBps']:.0f} | "
+            f"| {r['shape']} | {r['impl']} | {r['kernel']} | {r['us']:.1f} | "
+            f"{r['latent_GBps']:.0f} | "
             f"{r['copy_share']:.1%} | {r['TFLOPs']:.1f} | {versus} | {r['vs_bf16']:.2f} |"
         )
     stem = harness.write_record(args.out, "mla", env, dict(rows=rows), lines)

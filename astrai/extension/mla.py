@@ -118,7 +118,13 @@ def explain_mla(
     ckv_scale=None,
     return_lse: bool = False,
 ) -> Decision:
-    """The resolver's decision for an ``mla_attention`` call, without running it."""
+    """The resolver's decision for an ``mla_attention`` call, without running it; on the cuda
+    backend, ``kernel`` names the kernel its plan picks (``"tensor_core/split x4"``,
+    ``"tensor_core"`` or ``"simple"``: csrc/README.md, "Latent attention")."""
     # locals() here is exactly the call's parameters, by name.
     positional, keywords = _op_arguments(**locals())
-    return Decision.from_json(torch.ops.astr.explain_mla(*positional, **keywords))
+    decision = Decision.from_json(torch.ops.astr.explain_mla(*positional, **keywords))
+    if decision.backend == "cuda":
+        keywords.pop("return_lse", None)
+        decision.kernel = torch.ops.astr.cuda_mla_plan(*positional, **keywords)
+    return decision

@@ -115,6 +115,9 @@ TORCH_LIBRARY(astr, m) {
   // lse [T, H] float32 when return_lse, else an empty tensor.
   m.def("cuda_mla_attention(Tensor q_nope" ASTR_MLA_ATTENTION_SCHEMA_ARGS
         ", *, bool return_lse=False) -> (Tensor, Tensor)");
+  // Which kernel the cuda backend's plan picks for such a call ("tensor_core/split x4",
+  // "tensor_core", "simple"), computing the plan only (CUDA key).
+  m.def("cuda_mla_plan(Tensor q_nope" ASTR_MLA_ATTENTION_SCHEMA_ARGS ") -> str");
 
   // Thread-local override stack, pushed/popped by attn_backend(...) in Python. A push returns its
   // entry's id; a pop with that id removes that entry wherever it is (None: the top).

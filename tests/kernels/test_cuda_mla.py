@@ -4,7 +4,8 @@ csrc/kernels/mla/) and its append (astr::append_mla's CUDA kernel).
 The reference is tests/mla_reference.py's, float64 from the definition. Inputs are fresh random
 latents on shuffled pages whose unowned slots are NaN (tests/mla_batch.py); outputs are poisoned
 first (the allocator hands the op memory just filled with NaN), so an element the kernel never
-writes shows as NaN. Written without a GPU at hand: none of these has run yet.
+writes shows as NaN. Each attention test runs every kernel (KERNEL_TUNINGS): the tensor-core
+kernel and the simple one. The tensor-core kernel's tests were written without a GPU at hand.
 """
 
 from __future__ import annotations
@@ -23,6 +24,47 @@ pytestmark = pytest.mark.cuda
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 3e-3}
 SEQ_LENS = (300, 37, 256, 5, 1000)
+# Long and ragged: a padding slot (decode), one position, and lengths of many tiles and splits.
+LONG_SEQ_LENS = (0, 1, 33, 4999, 12000)
+
+# The kernels every test runs, forced by the kernel tuning (tests/kernels/conftest.py's fixture;
+# plan.h): the plan's own choice (on sm_90 the tensor-core kernel, with the splits its rule
+# picks), the tensor-core kernel at one split (out written directly) and at 7 (the merge), and
+# the simple kernel (sm_80's). Below sm_90 each runs the simple kernel.
+KERNEL_TUNINGS = {
+    "auto": "",
+    "tensor_core_one_split": "mla_kernel=tensor_core,mla_splits=1",
+    "tensor_core_7_splits": "mla_kernel=tensor_core,mla_splits=7",
+    "simple": "mla_kernel=simple",
+}
+
+
+@pytest.fixture(params=list(KERNEL_TUNINGS))
+def kernel(request, tuning):
+    tuning(KERNEL_TUNINGS[request.param])
+    return request.param
+
+
+def expected_form(kernel: str) -> str:
+    """What cuda_mla_plan must name under ``kernel``'s tuning: a prefix of its answer."""
+    if kernel == "simple" or torch.cuda.get_device_capability() < (9, 0):
+        return "simple"
+    return {
+        "auto": "tensor_core",
+        "tensor_core_one_split": "tensor_core",
+        "tensor_core_7_splits": "tensor_core/split x7",
+    }[kernel]
+
+
+def plan_of(batch) -> str:
+    return torch.ops.astr.cuda_mla_plan(*batch.op_args(), ckv_scale=batch.ckv_scale)
+
+
+def assert_runs(batch, kernel):
+    form = plan_of(batch)
+    assert form.startswith(expected_form(kernel)), form
+    if kernel == "tensor_core_one_split":
+        assert form == "tensor_core", form
 
 
 def poison_next_allocation(shape, dtype):
@@ -52,7 +94,7 @@ def batch_on_gpu(seq_lens, q_lens, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("heads", [16, 32, 64, 128])
-def test_decode_matches_the_reference(heads, page_size, dtype):
+def test_decode_matches_the_reference(heads, page_size, dtype, kernel):
     batch = batch_on_gpu(
         SEQ_LENS,
         [1] * len(SEQ_LENS),
@@ -62,6 +104,7 @@ def test_decode_matches_the_reference(heads, page_size, dtype):
         decode=True,
         seed=heads + page_size,
     )
+    assert_runs(batch, kernel)
     out, _ = cuda_mla(batch)
     assert_close(out, batch.reference(), dtype)
 
@@ -69,38 +112,82 @@ def test_decode_matches_the_reference(heads, page_size, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_ragged_prefill_with_cached_prefixes_matches_the_reference(heads, page_size, dtype):
+def test_ragged_prefill_with_cached_prefixes_matches_the_reference(heads, page_size, dtype, kernel):
     batch = batch_on_gpu(
         SEQ_LENS, (40, 37, 1, 5, 64), heads=heads, page_size=page_size, dtype=dtype, seed=3
     )
+    assert_runs(batch, kernel)
     out, _ = cuda_mla(batch)
     assert_close(out, batch.reference(), dtype)
 
 
-@pytest.mark.parametrize("heads", [16, 24, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("heads", [16, 24, 32, 64, 128])
 @pytest.mark.parametrize("s_q", [1, 2])
-def test_speculative_tokens_match_the_reference(s_q, heads):
-    """s_q = 2: multi-token prediction, as a prefill; 24 heads: a partial head group."""
+def test_speculative_tokens_match_the_reference(s_q, heads, page_size, kernel):
+    """s_q = 2: multi-token prediction, as a prefill; 24 heads: row tiles of the tensor-core
+    kernel that cut across tokens, and a partial head group of the simple one."""
     batch = batch_on_gpu(
-        SEQ_LENS, [s_q] * len(SEQ_LENS), heads=heads, page_size=64, dtype=torch.bfloat16
+        SEQ_LENS, [s_q] * len(SEQ_LENS), heads=heads, page_size=page_size, dtype=torch.bfloat16
     )
+    assert_runs(batch, kernel)
     out, _ = cuda_mla(batch)
     assert_close(out, batch.reference(), torch.bfloat16)
 
 
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("s_q", [1, 2], ids=["decode", "s_q=2"])
+def test_long_ragged_lengths_match_the_reference(s_q, heads, page_size, kernel):
+    """Lengths 0 to 12000: many tiles a split, and (auto) the rule's splits; the padding slot of
+    the decode is zeros with lse -inf."""
+    decode = s_q == 1
+    seq_lens = LONG_SEQ_LENS if decode else LONG_SEQ_LENS[2:]
+    batch = batch_on_gpu(
+        seq_lens,
+        [s_q] * len(seq_lens),
+        heads=heads,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+        decode=decode,
+        seed=s_q + heads,
+    )
+    assert_runs(batch, kernel)
+    out, lse = cuda_mla(batch, return_lse=True)
+    ref_out, ref_lse = batch.reference(return_lse=True)
+    assert_close(out, ref_out, torch.bfloat16)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
+    if decode:
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.isneginf(lse[0]).all()
+
+
+def test_the_rule_splits_a_long_sequence_on_sm90():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the tensor-core kernel runs on sm_90")
+    one = batch_on_gpu((12000,), (1,), heads=16, page_size=64, dtype=torch.bfloat16, decode=True)
+    assert plan_of(one).startswith("tensor_core/split x")
+    many = batch_on_gpu(
+        [64] * 160, [1] * 160, heads=128, page_size=64, dtype=torch.bfloat16, decode=True
+    )
+    assert plan_of(many) == "tensor_core"  # 320 row tiles fill the SMs
+    assert_close(cuda_mla(many)[0], many.reference(), torch.bfloat16)
+
+
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_lse_and_non_causal(decode):
+def test_lse_and_non_causal(decode, kernel):
     q_lens = [1] * len(SEQ_LENS) if decode else (3, 2, 1, 5, 8)
     batch = batch_on_gpu(
         SEQ_LENS, q_lens, heads=32, page_size=16, dtype=torch.float16, decode=decode
     )
+    assert_runs(batch, kernel)
     out, lse = cuda_mla(batch, return_lse=True, is_causal=decode)
     ref_out, ref_lse = batch.reference(return_lse=True, is_causal=decode)
     assert_close(out, ref_out, torch.float16)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-3, rtol=2e-3)
 
 
-def test_a_decode_padding_slot_gives_zeros_and_lse_minus_inf():
+def test_a_decode_padding_slot_gives_zeros_and_lse_minus_inf(kernel):
     batch = batch_on_gpu(
         (20, 0, 7), (1, 1, 1), heads=16, page_size=8, dtype=torch.bfloat16, decode=True
     )
@@ -109,13 +196,16 @@ def test_a_decode_padding_slot_gives_zeros_and_lse_minus_inf():
     assert torch.isneginf(lse[1]).all()
 
 
-@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("q_lens", ["decode", "s_q=2", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_an_fp8_latent_is_read_with_its_scale(dtype, decode):
-    q_lens = [1] * len(SEQ_LENS) if decode else (6, 2, 1, 5, 9)
+def test_an_fp8_latent_is_read_with_its_scale(dtype, q_lens, heads, kernel):
+    decode = q_lens == "decode"
+    lens = {"decode": [1] * 5, "s_q=2": [2] * 5, "prefill": (6, 2, 1, 5, 9)}[q_lens]
     batch = batch_on_gpu(
-        SEQ_LENS, q_lens, heads=128, page_size=64, dtype=dtype, fp8=True, decode=decode
+        SEQ_LENS, lens, heads=heads, page_size=64, dtype=dtype, fp8=True, decode=decode
     )
+    assert_runs(batch, kernel)
     out, _ = cuda_mla(batch)
     assert_close(out, batch.reference(), dtype)
     ignored = batch.reference(ignore_scale=True)  # the control
@@ -126,17 +216,58 @@ def test_the_resolver_picks_cuda_for_a_bf16_latent_call():
     batch = batch_on_gpu(
         SEQ_LENS, [1] * len(SEQ_LENS), heads=16, page_size=64, dtype=torch.bfloat16, decode=True
     )
-    assert explain_mla(*batch.op_args()).backend == "cuda"
+    decision = explain_mla(*batch.op_args())
+    assert decision.backend == "cuda"
+    on_sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    assert decision.kernel.startswith("tensor_core" if on_sm90 else "simple"), decision.kernel
+    assert f"kernel: {decision.kernel}" in str(decision)
     out = mla_attention(*batch.op_args())
     assert_close(out, batch.reference(), torch.bfloat16)
     fp32 = batch_on_gpu((9,), (1,), heads=16, page_size=4, dtype=torch.float32, decode=True)
     assert explain_mla(*fp32.op_args()).backend == "torch_native"
 
 
+# -- NaN inputs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "s_q=2"])
+def test_a_nan_in_a_query_row_makes_that_row_nan(decode, kernel):
+    """Out and lse NaN, with or without splits (a merge that took the row's splits for empty
+    ones wrote zeros); the other rows keep their values."""
+    batch = batch_on_gpu(
+        SEQ_LENS,
+        [1 if decode else 2] * len(SEQ_LENS),
+        heads=16,
+        page_size=16,
+        dtype=torch.bfloat16,
+        decode=decode,
+    )
+    good, _ = cuda_mla(batch)
+    batch.q_nope[3, 5, 7] = float("nan")
+    out, lse = cuda_mla(batch, return_lse=True)
+    assert torch.isnan(out[3, 5]).all() and torch.isnan(lse[3, 5])
+    others = torch.ones(out.shape[:2], dtype=torch.bool, device=out.device)
+    others[3, 5] = False
+    assert torch.equal(out[others], good[others])
+
+
+def test_a_nan_latent_a_row_sees_makes_the_row_nan(kernel):
+    """Position 10 of sequence 4 (1000 positions): with splits only the first sees it, and the
+    merge must not drop that split for the others' finite average."""
+    batch = batch_on_gpu(
+        SEQ_LENS, [1] * len(SEQ_LENS), heads=16, page_size=16, dtype=torch.bfloat16, decode=True
+    )
+    good, _ = cuda_mla(batch)
+    batch.ckv_cache[batch.block_table[4, 0], 10] = float("nan")
+    out, lse = cuda_mla(batch, return_lse=True)
+    assert torch.isnan(out[4]).all() and torch.isnan(lse[4]).all()
+    assert torch.equal(out[:4], good[:4])
+
+
 # -- bad metadata ----------------------------------------------------------------------------
 
 
-def test_bad_metadata_poisons_only_its_sequence():
+def test_bad_metadata_poisons_only_its_sequence(kernel):
     batch = batch_on_gpu(
         SEQ_LENS, [1] * len(SEQ_LENS), heads=16, page_size=16, dtype=torch.bfloat16, decode=True
     )
@@ -151,14 +282,33 @@ def test_bad_metadata_poisons_only_its_sequence():
     assert torch.isnan(out[3]).all()
 
 
-def test_a_prefill_query_start_loc_that_places_no_token_poisons_every_row():
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "s_q=2"])
+def test_a_bad_page_late_in_a_long_sequence_poisons_it_whole(decode, kernel):
+    """The splits share the check of a sequence's pages: the last split's share holds this one."""
+    batch = batch_on_gpu(
+        SEQ_LENS,
+        [1 if decode else 2] * len(SEQ_LENS),
+        heads=16,
+        page_size=16,
+        dtype=torch.bfloat16,
+        decode=decode,
+    )
+    good, _ = cuda_mla(batch)
+    batch.block_table[4, 62] = -5  # the last of sequence 4's 63 pages
+    out, lse = cuda_mla(batch, return_lse=True)
+    rows = slice(4, 5) if decode else slice(8, 10)
+    assert torch.isnan(out[rows]).all() and torch.isnan(lse[rows]).all()
+    assert torch.equal(out[: rows.start], good[: rows.start])
+
+
+def test_a_prefill_query_start_loc_that_places_no_token_poisons_every_row(kernel):
     batch = batch_on_gpu(SEQ_LENS, (3, 2, 1, 5, 8), heads=16, page_size=16, dtype=torch.bfloat16)
     batch.query_start_loc[2] = 1  # decreasing
     out, lse = cuda_mla(batch, return_lse=True)
     assert torch.isnan(out).all() and torch.isnan(lse).all()
 
 
-def test_a_sequence_past_max_query_len_is_poisoned_whole():
+def test_a_sequence_past_max_query_len_is_poisoned_whole(kernel):
     batch = batch_on_gpu(SEQ_LENS, (3, 2, 1, 5, 8), heads=16, page_size=16, dtype=torch.bfloat16)
     args = list(batch.op_args())
     args[7] = 6  # sequence 4 has 8 new tokens
@@ -183,7 +333,10 @@ def test_the_checked_mode_raises_instead():
 # -- CUDA graphs -------------------------------------------------------------------------------
 
 
-def test_a_captured_decode_replays_as_sequences_grow():
+@pytest.mark.parametrize("width", [16, 64], ids=["256_positions", "1024_positions"])
+def test_a_captured_decode_replays_as_sequences_grow(width, kernel):
+    """The block table's capacity (width x 16) sets the splits (auto: one, then 4); each split
+    takes its share of the actual length at replay."""
     torch.manual_seed(0)
     cache = PagedLatentCache(1, num_pages=64, page_size=16, dtype=torch.bfloat16, device="cuda")
     prompts = {0: 50, 1: 7, 2: 120}
@@ -194,7 +347,6 @@ def test_a_captured_decode_replays_as_sequences_grow():
         torch.randn(tokens, 512, device="cuda").bfloat16(),
         torch.randn(tokens, 64, device="cuda").bfloat16(),
     )
-    width = 16
     step = cache.begin_step(list(prompts), [1, 1, 1], block_table_width=width)
     static = dict(
         q_nope=torch.randn(3, 128, 512, device="cuda").bfloat16(),

@@ -213,6 +213,9 @@ class Decision:
     rejected: Dict[str, List[str]] = field(default_factory=dict)
     # The measured preference that ordered a default choice (the run and rows), "" where none did.
     preference: str = ""
+    # The cuda backend's kernel form, in csrc/README.md's kernel table's words, where the
+    # explanation asks its plan (explain_mla: "tensor_core/split x4", "simple"); "" otherwise.
+    kernel: str = ""
 
     @classmethod
     def from_json(cls, text: str) -> Decision:
@@ -238,6 +241,8 @@ class Decision:
             lines.append(f"  {name}: " + ("; ".join(reasons) if reasons else "can run it"))
         if self.preference:
             lines.append(f"  measured preference: {self.preference}")
+        if self.kernel:
+            lines.append(f"  kernel: {self.kernel}")
         if self.error:
             lines.append(f"  error: {self.error}")
         return "\n".join(lines)

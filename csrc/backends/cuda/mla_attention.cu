@@ -17,8 +17,10 @@
 
 #include "dispatch/capability.h"
 #include "kernels/mla/launch.h"
+#include "kernels/paged_attention/launch.h"  // current_device_facts
 #include "ops/mla_attention_args.h"
 #include "support/check.h"
+#include "support/kernel_settings.h"
 #include "support/torch_scalar_type.h"
 
 namespace astr::backends {
@@ -105,6 +107,21 @@ kernels::MlaAttentionParams mla_params(const MlaAttentionArgs& a, const at::Tens
   return p;
 }
 
+// The plan's inputs: shapes and host bounds only (the block table's width, never seq_lens'
+// values), so that a captured graph replays one launch configuration for every length.
+kernels::MlaPlan mla_plan(const MlaAttentionArgs& a, const kernels::MlaAttentionParams& params) {
+  kernels::MlaCallShape shape;
+  shape.num_seqs = params.num_seqs;
+  shape.max_query_len = params.max_query_len;
+  shape.num_heads = params.num_heads;
+  shape.decode = a.decode();
+  shape.fp8 = params.ckv_dtype == ScalarType::kFloat8E4M3;
+  shape.max_seq_len = a.block_table.size(1) * a.ckv_cache.size(1);
+  shape.num_tokens = params.num_tokens;
+  return kernels::plan_mla_attention(shape, kernels::current_device_facts(),
+                                     current_kernel_tuning());
+}
+
 std::tuple<at::Tensor, at::Tensor> cuda_mla_attention(
     const at::Tensor& q_nope ASTR_MLA_ATTENTION_PARAMS, bool return_lse) {
   const MlaAttentionArgs args(q_nope ASTR_MLA_ATTENTION_FORWARDED, return_lse);
@@ -116,16 +133,38 @@ std::tuple<at::Tensor, at::Tensor> cuda_mla_attention(
   at::Tensor lse = return_lse ? at::empty({tokens, heads}, floats) : at::empty({0}, floats);
   if (tokens == 0) return {out, lse};
   const kernels::MlaAttentionParams params = mla_params(args, out, return_lse ? lse : at::Tensor());
-  const kernels::MlaPlan plan =
-      kernels::plan_mla_attention(params.num_seqs, params.max_query_len, heads, args.decode());
-  const kernels::LaunchStatus status =
-      kernels::launch_mla_attention(params, plan, c10::cuda::getCurrentCUDAStream().stream());
+  const kernels::MlaPlan plan = mla_plan(args, params);
+  // The splits' partial results: sized by the plan's split count and the call's shape.
+  at::Tensor partial_out, partial_lse;
+  kernels::MlaSplitWorkspace workspace;
+  if (plan.kernel == kernels::MlaKernel::kTensorCore && plan.num_splits > 1) {
+    partial_out = at::empty({plan.num_splits, tokens * heads, q_nope.size(2)}, floats);
+    partial_lse = at::empty({plan.num_splits, tokens * heads}, floats);
+    workspace = {partial_out.data_ptr<float>(), partial_lse.data_ptr<float>()};
+  }
+  const kernels::LaunchStatus status = kernels::launch_mla_attention(
+      params, plan, workspace, c10::cuda::getCurrentCUDAStream().stream());
   ASTR_CHECK(status.ok(), "cuda_mla_attention: ", status.error);
   return {out, lse};
 }
 
+// Which kernel the cuda backend's plan picks for such a call ("tensor_core/split x4",
+// "tensor_core", "simple"; kernels::describe_plan), or the plan's error. The plan only: no
+// allocation, no launch.
+std::string cuda_mla_plan(const at::Tensor& q_nope ASTR_MLA_ATTENTION_PARAMS) {
+  const MlaAttentionArgs args(q_nope ASTR_MLA_ATTENTION_FORWARDED, /*return_lse=*/false);
+  check_cuda_mla_call(args);
+  const c10::cuda::CUDAGuard guard(q_nope.device());
+  const at::Tensor out = at::empty({0}, q_nope.options());
+  const kernels::MlaPlan plan = mla_plan(args, mla_params(args, out, at::Tensor()));
+  return plan.error.empty() ? kernels::describe_plan(plan) : plan.error;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(astr, CUDA, m) { m.impl("cuda_mla_attention", &cuda_mla_attention); }
+TORCH_LIBRARY_IMPL(astr, CUDA, m) {
+  m.impl("cuda_mla_attention", &cuda_mla_attention);
+  m.impl("cuda_mla_plan", &cuda_mla_plan);
+}
 
 }  // namespace astr::backends

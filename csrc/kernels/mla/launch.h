@@ -10,11 +10,17 @@
 
 namespace astr::kernels {
 
-// The attention (mla_attention_kernel.cu) as `plan` says, and for a prefill the kernel that
-// poisons the rows its grid cannot place (params.h). No host synchronisation, no allocation:
-// capturable in a CUDA graph.
+// The attention as `plan` says (the simple kernel, or the tensor-core kernel and, with splits,
+// its merge into `workspace`, which holds plan.num_splits splits), and for a prefill the kernel
+// that poisons the rows its grid cannot place (params.h). No host synchronisation, no
+// allocation: capturable in a CUDA graph.
 LaunchStatus launch_mla_attention(const MlaAttentionParams& params, const MlaPlan& plan,
-                                  cudaStream_t stream);
+                                  const MlaSplitWorkspace& workspace, cudaStream_t stream);
+
+// The tensor-core kernel and its merge (mla_tensor_core_kernel.cu), without the checks and the
+// poisoning kernel that launch_mla_attention adds.
+LaunchStatus launch_mla_tensor_core(const MlaAttentionParams& params, const MlaPlan& plan,
+                                    const MlaSplitWorkspace& workspace, cudaStream_t stream);
 
 // The append (append_mla.cu).
 LaunchStatus launch_append_mla(const AppendMlaParams& params, cudaStream_t stream);

@@ -1,6 +1,6 @@
-// Latent attention over a paged latent cache, decode and prefill: a straightforward kernel,
-// correctness first (float32 FMAs on the CUDA cores, no tensor cores). Definitions: params.h;
-// tiles: plan.h.
+// Latent attention over a paged latent cache, decode and prefill: the simple kernel, correctness
+// first (float32 FMAs on the CUDA cores, no tensor cores), which the plan keeps for sm_80 to sm_89
+// (plan.h); the launch entry point of both kernels. Definitions: params.h; tiles: plan.h.
 //
 // One block per (query row, group of 16 heads). The block copies its 16 query rows (576 values
 // each: latent and rope parts) into shared memory as float32, then walks the positions its row
@@ -9,9 +9,9 @@
 // its 2 heads against the 16 positions (one lane per pair), updates their online softmax, and
 // accumulates p * latent into its heads' 512-wide outputs (16 columns per lane).
 //
-// What a fast kernel does instead (csrc/README.md, "Latent attention"): all heads of a token
-// (and its s_q tokens) in one block as the M side of tensor-core products, positions split
-// across blocks with a merge, pages copied asynchronously while the previous one is multiplied.
+// What the tensor-core kernel (mla_tensor_core_kernel.cu) does instead: all heads of a token (and
+// its s_q tokens) in one block as the M side of tensor-core products, positions split across
+// blocks with a merge, tiles copied asynchronously while the previous one is multiplied.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -22,6 +22,7 @@
 
 #include "config.h"
 #include "launch.h"
+#include "sequence_rows.cuh"
 
 namespace astr::kernels {
 
@@ -79,8 +80,7 @@ __device__ __forceinline__ void copy_fp8_chunk_as_floats(const uint8_t* src, flo
   }
 }
 
-// The query row of a block and what it sees, from its sequence's metadata clamped to what can be
-// read (params.h: what poisons a row).
+// The query row of a block and what it sees (sequence_rows.cuh: the rule both kernels apply).
 struct QueryRow {
   bool exists;    // false: a prefill grid slot past its sequence's new tokens (nothing to write)
   bool poisoned;  // the sequence's metadata is invalid: NaN out, NaN lse
@@ -90,32 +90,13 @@ struct QueryRow {
 };
 
 __device__ __forceinline__ QueryRow query_row(const MlaAttentionParams& p, int seq, int index) {
+  const SequenceRows rows = sequence_rows(p, seq);
   QueryRow row{};
-  const int64_t capacity = static_cast<int64_t>(p.block_table_width) * p.page_size;
-  const int64_t raw_len = p.seq_lens[seq];
-  int64_t q_len = 1;
-  row.exists = true;
-  if (p.decode) {
-    // A length of 0 is a padding slot: it sees nothing (zeros out).
-    row.token = seq;
-    row.poisoned = raw_len < 0 || raw_len > capacity;
-    q_len = raw_len > 0 ? 1 : 0;
-  } else {
-    const int64_t start = p.query_start_loc[seq];
-    const int64_t end = p.query_start_loc[seq + 1];
-    const int64_t q_start = min(max(start, int64_t{0}), static_cast<int64_t>(p.num_tokens));
-    const int64_t q_end = min(max(end, q_start), static_cast<int64_t>(p.num_tokens));
-    q_len = q_end - q_start;
-    row.exists = index < q_len;
-    row.token = static_cast<int>(q_start + index);
-    row.poisoned = start < 0 || end < start || end > p.num_tokens ||
-                   end - start > p.max_query_len || raw_len < end - start || raw_len > capacity;
-  }
-  const int64_t seq_len = min(max(raw_len, int64_t{0}), capacity);
-  const int64_t position = seq_len - q_len + index;  // new token `index` of the sequence
-  const int64_t end = p.is_causal ? min(seq_len, position + 1) : seq_len;
-  row.seq_len = static_cast<int>(seq_len);
-  row.kv_end = static_cast<int>(max(end, int64_t{0}));
+  row.exists = index < rows.num_rows;
+  row.poisoned = rows.poisoned;
+  row.token = rows.first_token + index;
+  row.seq_len = rows.seq_len;
+  row.kv_end = rows.kv_end(index);
   return row;
 }
 
@@ -269,14 +250,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     const float row_max = __shfl_sync(kFullMask, running_max, h * kKeys);
     const int head = head0 + warp * kHeadsPerWarp + h;
     if (head >= p.num_heads) continue;
-    const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+    // sum is 0 for a row that saw nothing, NaN where a score was NaN or inf: NaN out and lse.
+    const bool saw_nothing = sum == 0.f;
+    const float inverse = saw_nothing ? 0.f : 1.f / sum;
     T* out = static_cast<T*>(p.out) + row.token * p.out_stride_token + head * p.out_stride_head;
 #pragma unroll
     for (int i = 0; i < kColumnsPerLane; ++i)
       out[lane + 32 * i] = from_float<T>(acc[h][i] * inverse);
     if (p.lse != nullptr && lane == 0)
       p.lse[row.token * p.lse_stride_token + head] =
-          sum > 0.f ? (row_max + log2f(sum)) * kLn2 : -INFINITY;
+          saw_nothing ? -INFINITY : (row_max + log2f(sum)) * kLn2;
   }
 }
 
@@ -317,7 +300,7 @@ __global__ void __launch_bounds__(128)
 }
 
 template <typename T>
-LaunchStatus launch_typed(const MlaAttentionParams& p, const MlaPlan& plan, cudaStream_t stream) {
+LaunchStatus launch_simple(const MlaAttentionParams& p, const MlaPlan& plan, cudaStream_t stream) {
   auto kernel = p.ckv_dtype == ScalarType::kFloat8E4M3 ? mla_attention_kernel<T, true>
                                                        : mla_attention_kernel<T, false>;
   const cudaError_t error =
@@ -326,7 +309,15 @@ LaunchStatus launch_typed(const MlaAttentionParams& p, const MlaPlan& plan, cuda
     return {std::string("cudaFuncSetAttribute: ") + cudaGetErrorString(error)};
   const dim3 grid(static_cast<unsigned>(plan.grid_rows), static_cast<unsigned>(plan.grid_heads));
   kernel<<<grid, plan.threads, plan.smem_bytes, stream>>>(p);
-  const LaunchStatus launched = status_after_launch("mla_attention_kernel");
+  return status_after_launch("mla_attention_kernel");
+}
+
+template <typename T>
+LaunchStatus launch_typed(const MlaAttentionParams& p, const MlaPlan& plan,
+                          const MlaSplitWorkspace& workspace, cudaStream_t stream) {
+  const LaunchStatus launched = plan.kernel == MlaKernel::kTensorCore
+                                    ? launch_mla_tensor_core(p, plan, workspace, stream)
+                                    : launch_simple<T>(p, plan, stream);
   if (!launched.ok() || !plan.poison_unplaced_rows) return launched;
   mla_poison_unplaced_rows_kernel<T><<<1, 128, 0, stream>>>(p);
   return status_after_launch("mla_poison_unplaced_rows_kernel");
@@ -335,9 +326,12 @@ LaunchStatus launch_typed(const MlaAttentionParams& p, const MlaPlan& plan, cuda
 }  // namespace
 
 LaunchStatus launch_mla_attention(const MlaAttentionParams& params, const MlaPlan& plan,
-                                  cudaStream_t stream) {
+                                  const MlaSplitWorkspace& workspace, cudaStream_t stream) {
   if (!plan.error.empty()) return {plan.error};
-  if (params.num_tokens == 0 || plan.grid_rows == 0) return {};
+  if (params.num_tokens == 0 || params.num_seqs == 0) return {};
+  if (plan.kernel == MlaKernel::kTensorCore && plan.num_splits > 1 &&
+      (workspace.out == nullptr || workspace.lse == nullptr))
+    return {"mla_attention: the tensor-core plan's splits need a workspace"};
   if (params.ckv_dtype != params.q_dtype && params.ckv_dtype != ScalarType::kFloat8E4M3)
     return {"mla_attention: the latent cache holds q's dtype or float8_e4m3fn"};
   if (params.ckv_dtype == ScalarType::kFloat8E4M3 && params.ckv_scale == nullptr)
@@ -346,9 +340,9 @@ LaunchStatus launch_mla_attention(const MlaAttentionParams& params, const MlaPla
     return {"mla_attention: page size must be 1 to 256"};
   switch (params.q_dtype) {
     case ScalarType::kBFloat16:
-      return launch_typed<__nv_bfloat16>(params, plan, stream);
+      return launch_typed<__nv_bfloat16>(params, plan, workspace, stream);
     case ScalarType::kFloat16:
-      return launch_typed<__half>(params, plan, stream);
+      return launch_typed<__half>(params, plan, workspace, stream);
     default:
       return {"mla_attention: q must be bfloat16 or float16"};
   }

@@ -19,7 +19,8 @@ namespace astr::kernels {
 //   score(pos) = scale * (q_nope[row, h] . ckv(pos) + q_rope[row, h] . krope(pos))
 //   out[row, h] = sum over the visible pos of softmax(score)(pos) * ckv(pos)
 // An FP8 latent reads ckv(pos) = stored.float() * ckv_scale[0]. A row that sees nothing is written
-// as zeros with lse -inf (decode: a length of 0 is a padding slot).
+// as zeros with lse -inf (decode: a length of 0 is a padding slot); a row with a NaN or inf score
+// (a NaN or inf in its query or in a position it sees) is NaN, out and lse, with or without splits.
 //
 // Bad metadata is never followed outside the tensors (page ids outside [0, P) are not read;
 // lengths are clamped to the block table) and the rows it concerns are NaN, as the paged
@@ -66,6 +67,14 @@ struct MlaAttentionParams {
   int num_heads;   // H
   bool is_causal;
   float scale;
+};
+
+// The tensor-core kernel's split workspace (plan.num_splits > 1; else null): split s of packed
+// row r = token * H + head writes its output normalised by its own softmax sum and its log2-sum-
+// exp (-inf: it saw nothing; NaN: poisoned), which the merge kernel combines into out and lse.
+struct MlaSplitWorkspace {
+  float* out = nullptr;  // [num_splits, T * H, Dc] float32
+  float* lse = nullptr;  // [num_splits, T * H] float32, log2 units
 };
 
 // ckv_cache[slot / S, slot % S, :] = ckv[t, :] and krope_cache[slot / S, slot % S, :] = krope[t, :]

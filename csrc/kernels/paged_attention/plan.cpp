@@ -174,6 +174,18 @@ const char* verify_form_name(VerifyForm form) {
   return "?";
 }
 
+const char* mla_kernel_name(MlaKernel kernel) {
+  switch (kernel) {
+    case MlaKernel::kAuto:
+      return "auto";
+    case MlaKernel::kTensorCore:
+      return "tensor_core";
+    case MlaKernel::kSimple:
+      return "simple";
+  }
+  return "?";
+}
+
 const char* prefill_loads_name(PrefillLoads loads) {
   switch (loads) {
     case PrefillLoads::kAuto:
@@ -251,6 +263,16 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       }
     } else if (key == "invariant_split_tiles") {
       ok = parse_int(value, 1, 65535, &parsed.invariant_split_tiles);
+    } else if (key == "mla_kernel") {
+      ok = false;
+      for (MlaKernel kernel : {MlaKernel::kAuto, MlaKernel::kTensorCore, MlaKernel::kSimple}) {
+        if (value == mla_kernel_name(kernel)) {
+          parsed.mla_kernel = kernel;
+          ok = true;
+        }
+      }
+    } else if (key == "mla_splits") {
+      ok = parse_int(value, 1, 64, &parsed.mla_splits);
     } else if (key == "prefill_l2_panel") {
       if (value == "auto") {
         parsed.prefill_l2_panel = -1;
@@ -269,7 +291,8 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
              "prefill_kernel=auto|warp_specialized|wgmma|mma_sync, "
              "fp8_prefill=auto|in_kernel|dequantize_first, prefill_loads=auto|tma|cp_async, "
              "prefill_l2_panel=auto|all|N, verify_form=auto|always|never, "
-             "invariant_split_tiles=1..65535)";
+             "invariant_split_tiles=1..65535, mla_kernel=auto|tensor_core|simple, "
+             "mla_splits=1..64)";
     }
   }
   *tuning = parsed;

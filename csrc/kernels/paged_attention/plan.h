@@ -47,6 +47,8 @@ enum class Fp8Prefill : int { kAuto, kInKernel, kDequantizeFirst };
 enum class PrefillLoads : int { kAuto, kTma, kCpAsync };
 // Whether a prefill-mode call of few new tokens per sequence runs as a verify (the decode forms).
 enum class VerifyForm : int { kAuto, kAlways, kNever };
+// Which latent-attention kernel runs (kernels/mla/plan.h; a plan's is never kAuto).
+enum class MlaKernel : int { kAuto, kTensorCore, kSimple };
 
 // Tuning overrides for A/B runs and for the tests that run every form: parsed once, here, from
 // ASTR_KERNEL_TUNING (read at library load) or torch.ops.astr.set_kernel_tuning(text), as
@@ -71,6 +73,11 @@ enum class VerifyForm : int { kAuto, kAlways, kNever };
 //                                    max_query_len (always), or never
 //   invariant_split_tiles=N          batch-invariant mode's decode splits of N consecutive kv
 //                                    tiles (1..65535) instead of kInvariantSplitTiles
+//   mla_kernel=auto|tensor_core|simple  latent attention's kernel (kernels/mla/plan.h): a
+//                                    preference for tensor_core (where it cannot run, the simple
+//                                    one runs), the simple kernel always
+//   mla_splits=N                     the tensor-core latent kernel's splits (1..64) instead of
+//                                    the rule's
 struct KernelTuning {
   DecodeForm decode_form = DecodeForm::kAuto;
   int decode_splits = 0;      // 0: the rule's
@@ -81,6 +88,8 @@ struct KernelTuning {
   int prefill_l2_panel = -1;  // -1: the rule's (prefill_panel_pairs); 0: all pairs; N: N pairs
   VerifyForm verify_form = VerifyForm::kAuto;
   int invariant_split_tiles = 0;  // 0: kInvariantSplitTiles
+  MlaKernel mla_kernel = MlaKernel::kAuto;
+  int mla_splits = 0;  // 0: the rule's
 };
 // "" on success; otherwise what is wrong (and *tuning is left unchanged).
 std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning);
@@ -227,6 +236,7 @@ std::string describe_plan(const TopkPlan& plan);
 const char* fp8_prefill_name(Fp8Prefill mode);
 const char* prefill_loads_name(PrefillLoads loads);
 const char* verify_form_name(VerifyForm form);
+const char* mla_kernel_name(MlaKernel kernel);
 
 // ---- The rules (their measurements: benchmarks/results/decisions.md) ---------------------------
 
