@@ -89,12 +89,13 @@ AttentionResult torch_native_mla(const MlaAttentionArgs& a) {
   scores = scores.masked_fill(visible.unsqueeze(2).logical_not(), -kInf);
 
   // Stable softmax; a row that sees nothing (max -inf) gives out 0 and lse -inf, and its
-  // gradients stay finite.
+  // gradients stay finite. A NaN score makes its row's sum NaN: out and lse NaN, as the cuda
+  // kernels give them (only a zero sum means "saw nothing").
   at::Tensor top = std::get<0>(scores.max(-1, /*keepdim=*/true));
   top = at::where(at::isinf(top), at::zeros_like(top), top).detach();
   const at::Tensor weights = at::exp(scores - top);
   const at::Tensor sum = weights.sum(-1, /*keepdim=*/true);
-  const at::Tensor seen = sum > 0;
+  const at::Tensor seen = sum != 0;
   const at::Tensor safe_sum = at::where(seen, sum, at::ones_like(sum));
   const at::Tensor probs = (weights / safe_sum).view({batch, max_q * heads, capacity});
   at::Tensor out = at::matmul(probs, latents).view({batch, max_q, heads, -1});

@@ -112,6 +112,18 @@ def test_a_decode_padding_slot_gives_zeros_and_lse_minus_inf():
     check(out, batch.reference(), torch.float32)
 
 
+def test_a_nan_query_row_gives_nan_out_and_nan_lse_not_an_empty_row():
+    """A NaN score is no "saw nothing": out and lse are NaN (lse -inf would let a merge of
+    partial attentions drop the row's NaN), and the other rows are untouched."""
+    batch = LatentBatch((20, 9), (1, 1), heads=16, page_size=8, dtype=torch.float32, decode=True)
+    batch.q_nope[1, 3, 7] = float("nan")
+    out, lse = run(batch, return_lse=True)
+    assert torch.isnan(out[1, 3]).all() and torch.isnan(lse[1, 3])
+    others = torch.ones(2, 16, dtype=torch.bool)
+    others[1, 3] = False
+    assert torch.isfinite(out[others]).all() and torch.isfinite(lse[others]).all()
+
+
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_an_fp8_latent_is_read_with_its_scale(dtype, decode):
