@@ -39,6 +39,9 @@
 
 namespace astr::kernels {
 
+// The persistent kernel's packed rows per item: two consumer warpgroups of 64 (wgmma's M).
+inline constexpr int kPersistentPrefillRows = 128;
+
 // What the order reads of a launch (shapes and host values only; the lengths come per sequence).
 struct PrefillScheduleShape {
   int num_seqs = 0;
