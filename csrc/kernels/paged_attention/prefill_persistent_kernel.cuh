@@ -153,7 +153,9 @@ __global__ void __launch_bounds__(kScheduleThreads)
 // by boxes: the producer here also claims and resolves items and copies Q, which spilled it at the
 // grid kernel's 24. ptxas at 40 / 232 against 24 / 240 (sm_90a, bf16, spill stores in bytes, no
 // softcap / running max / fixed max): D = 64: 40/28/28 against 120/116/116; D = 128: 204/48/48
-// against 260/120/120; D = 256: 136/56/36 against 172/128/120. Not yet measured on a GPU.
+// against 260/120/120; D = 256: 136/56/36 against 172/128/120. In the SASS (D = 128, no softcap)
+// most of it is in the user-mask path (a tile's mask bytes); the unmasked tile loop reloads five
+// values a tile from local memory. Not yet measured on a GPU.
 template <int kHeadDim_, bool kBoxes_>
 struct PrefillPersistentTraits : PrefillWarpSpecializedTraits<kHeadDim_, kBoxes_> {
   using Grid = PrefillWarpSpecializedTraits<kHeadDim_, kBoxes_>;
