@@ -789,9 +789,9 @@ def test_persistent_prefill_takes_every_item_once_across_its_blocks(
     names are the control: PrefillPersistentTraits<D, boxes>), on one block per SM, on one block
     that takes every item in turn, and on 5; its items claimed or round robin. A ragged batch with
     cached prefixes whose sequences have 0 to 22 row tiles (GQA 4: 32 tokens a tile), a one-token
-    sequence behind a long
-    prefix (the longest item), into a NaN-poisoned output: every row matches the float64
-    reference, so every item ran once and no item's pipeline leaked into the next one's."""
+    sequence behind a long prefix (the longest item), into a NaN-poisoned output: every row
+    matches the float64 reference, so every item ran once and no item's pipeline leaked into the
+    next one's."""
     tuning(
         "prefill_kernel=persistent",
         f"persistent_blocks={blocks}" if blocks else "",
