@@ -31,6 +31,7 @@ class HeadDim:
     decode_persistent: bool
     prefill_wgmma: bool
     prefill_warp_specialized: bool
+    prefill_persistent: bool
     topk: bool
 
 
@@ -58,7 +59,7 @@ def read_config(path: str = CONFIG):
     head_dims: List[HeadDim] = []
     for row in re.finditer(r"\{([^{}]*)\}", _between(text, "BEGIN HEAD DIMS", "END HEAD DIMS")):
         cells = [c.strip() for c in row.group(1).split(",")]
-        head_dims.append(HeadDim(int(cells[0]), int(cells[1]), *[c == "true" for c in cells[2:8]]))
+        head_dims.append(HeadDim(int(cells[0]), int(cells[1]), *[c == "true" for c in cells[2:9]]))
     q_types = [
         QType(m.group(1), m.group(2), "bf16" if "bfloat16" in m.group(2) else "fp16")
         for m in re.finditer(
@@ -123,6 +124,12 @@ FAMILIES = {
         "run_paged_prefill_warp_specialized",
         "const PagedKernelArgs&, cudaStream_t",
         "prefill_warp_specialized",
+    ),
+    "paged_prefill_persistent": (
+        "prefill_persistent_kernel.cuh",
+        "run_paged_prefill_persistent",
+        "const PagedKernelArgs&, cudaStream_t",
+        "prefill_persistent",
     ),
 }
 

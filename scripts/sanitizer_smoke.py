@@ -5,7 +5,8 @@ be told to use (torch.ops.astr.set_kernel_tuning): 2 splits as block pairs (D = 
 thread-block cluster (sm_90) and with the merge kernel, 1 split as eight-warp blocks (D = 128) and
 as the persistent decode on 2 blocks (so each block claims several items), for short sequences and
 for one of 1500 tokens; prefills on each kernel (warp-specialised and wgmma where they run,
-mma.sync), the wgmma and mma.sync ones reading FP8 pools themselves. A form that
+mma.sync, and the persistent warp-specialised one on 2 blocks, so each block takes several
+items), the wgmma and mma.sync ones reading FP8 pools themselves. A form that
 cannot run a shape leaves the choice to the plan, as in the kernel tests. Then the variants
 (window, softcap, sinks, lse) through every form, and bad metadata (page ids outside the pool,
 lengths past the block table, negative lengths, a decreasing query_start_loc) that the kernels
@@ -32,6 +33,7 @@ PREFILL_KERNELS = (
     "prefill_kernel=warp_specialized",
     "prefill_kernel=wgmma,fp8_prefill=in_kernel",
     "prefill_kernel=mma_sync,fp8_prefill=in_kernel",
+    "prefill_kernel=persistent,persistent_blocks=2",
 )
 
 

@@ -72,6 +72,7 @@ std::string kernel_list_json() {
     if (row.decode_persistent) list += ", \"decode_persistent\"";
     if (row.prefill_wgmma) list += ", \"prefill_wgmma\"";
     if (row.prefill_warp_specialized) list += ", \"prefill_warp_specialized\"";
+    if (row.prefill_persistent) list += ", \"prefill_persistent\"";
     if (row.topk) list += ", \"topk\"";
     forms += "\"" + d + "\": [" + list + "]";
   }

@@ -161,6 +161,15 @@ def test_default_selection_leaves_fp8_out_and_adds_the_baseline_only_with_one():
     assert set(with_baseline.peers) - set(plain.peers) == {"cuda_ps16_before"}
 
 
+def test_the_persistent_prefill_peer_runs_only_when_named():
+    """cuda_ps16_persistent (prefill_kernel=persistent, never measured yet) sits beside cuda_ps16
+    when --peers names it, and is not in the default selection."""
+    assert "cuda_ps16_persistent" not in bench_attention.parse_args([]).peers
+    args = bench_attention.parse_args(["--peers", "sdpa_cudnn,cuda_ps16_persistent,cuda_ps16"])
+    assert args.peers == ["cuda_ps16", "cuda_ps16_persistent", "sdpa_cudnn"]
+    assert peers.PEERS["cuda_ps16_persistent"].kinds == ("prefill",)
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

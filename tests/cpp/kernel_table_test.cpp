@@ -4,7 +4,8 @@
 // head dims ("128", or "192/128" for q/k head dim 192 and v head dim 128), the call kind (prefill,
 // decode, verify: a prefill-mode call of Q new tokens per sequence, or topk: a call with
 // topk_indices, T query tokens of K entries), the cache, a decode, verify or top-k batch (Hq 32
-// and Hkv 8 unless the row says otherwise) and the form the plan picks.
+// and Hkv 8 unless the row says otherwise) and the form the plan picks. The table of opt-in forms
+// has the kernel tuning that selects them where the others have the batch.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -31,11 +32,13 @@ constexpr char kBegin[] = "<!-- kernel table begin -->";
 constexpr char kEnd[] = "<!-- kernel table end -->";
 constexpr char kInvariantBegin[] = "<!-- batch-invariant kernel table begin -->";
 constexpr char kInvariantEnd[] = "<!-- batch-invariant kernel table end -->";
+constexpr char kOptInBegin[] = "<!-- opt-in kernel table begin -->";
+constexpr char kOptInEnd[] = "<!-- opt-in kernel table end -->";
 
 struct Row {
-  std::string text;  // the row as written, for failure messages
-  std::string gpu, head_dims, call, cache, batch, form;
-  bool batch_invariant;  // a row of the batch-invariant table
+  std::string text;                                      // the row as written, for failure messages
+  std::string gpu, head_dims, call, cache, batch, form;  // batch: the tuning, opt-in rows
+  bool batch_invariant;                                  // a row of the batch-invariant table
 };
 
 std::string trim(const std::string& text) {
@@ -53,19 +56,19 @@ std::vector<std::string> split(const std::string& text, char separator) {
   return parts;
 }
 
-// A table's body rows (after its header and separator lines); batch_invariant: which table.
-std::vector<Row> table_rows(bool batch_invariant) {
+// The body rows (after its header and separator lines) of the table between begin and end.
+std::vector<Row> rows_between(const char* begin, const char* end, bool batch_invariant) {
   std::ifstream file(ASTR_CSRC_README);
   std::string line;
   bool inside = false;
   int header_lines = 0;
   std::vector<Row> rows;
   while (std::getline(file, line)) {
-    if (line.find(batch_invariant ? kInvariantBegin : kBegin) != std::string::npos) {
+    if (line.find(begin) != std::string::npos) {
       inside = true;
       continue;
     }
-    if (inside && line.find(batch_invariant ? kInvariantEnd : kEnd) != std::string::npos) break;
+    if (inside && line.find(end) != std::string::npos) break;
     if (!inside || line.rfind("|", 0) != 0) continue;
     if (header_lines < 2) {
       ++header_lines;
@@ -78,6 +81,11 @@ std::vector<Row> table_rows(bool batch_invariant) {
         {line, cells[0], cells[1], cells[2], cells[3], cells[4], cells[5], batch_invariant});
   }
   return rows;
+}
+// The default table or the batch-invariant one.
+std::vector<Row> table_rows(bool batch_invariant) {
+  return batch_invariant ? rows_between(kInvariantBegin, kInvariantEnd, true)
+                         : rows_between(kBegin, kEnd, false);
 }
 
 DeviceFacts device_of(const std::string& gpu) {
@@ -161,8 +169,8 @@ std::string decode_form(const DecodePlan& plan) {
   return astr::kernels::describe_plan(plan);
 }
 
-// What the plan picks, written as the table's form column writes it.
-std::string planned_form(const Row& row, HeadDims head_dims) {
+// What the plan picks, written as the table's form column writes it; tuning: the opt-in table's.
+std::string planned_form(const Row& row, HeadDims head_dims, const KernelTuning& tuning = {}) {
   const DeviceFacts device = device_of(row.gpu);
   const bool fp8 = row.cache.rfind("FP8", 0) == 0;
   if (row.call == "topk") {
@@ -190,8 +198,8 @@ std::string planned_form(const Row& row, HeadDims head_dims) {
     const bool past_limit = row.cache.find("past the scratch limit") != std::string::npos;
     scratch = past_limit ? kFp8ScratchLimitBytes + 1 : kFp8ScratchLimitBytes;
   }
-  const PrefillPlan plan = astr::kernels::plan_paged_prefill(
-      head_dims.qk, device, KernelTuning{}, scratch, {}, row.batch_invariant, head_dims.v);
+  const PrefillPlan plan = astr::kernels::plan_paged_prefill(head_dims.qk, device, tuning, scratch,
+                                                             {}, row.batch_invariant, head_dims.v);
   if (!plan.error.empty()) return plan.error;
   return astr::kernels::describe_plan(plan, fp8);
 }
@@ -207,6 +215,28 @@ TEST(KernelTable, EveryRowIsWhatThePlanPicks) {
         EXPECT_EQ(planned_form(row, parse_head_dims(head_dim)), row.form)
             << "head dim " << head_dim << " of the row\n  " << row.text;
       }
+    }
+  }
+}
+
+// The opt-in forms (a kernel tuning selects them, the automatic choice never does until a GPU
+// has measured them): each row's tuning through the plan. Prefill rows only.
+TEST(KernelTable, EveryOptInRowIsWhatItsTuningPicks) {
+  const std::vector<Row> rows = rows_between(kOptInBegin, kOptInEnd, false);
+  ASSERT_GE(rows.size(), 3u) << "no table between " << kOptInBegin << " and its end in "
+                             << ASTR_CSRC_README;
+  for (const Row& row : rows) {
+    EXPECT_EQ(row.call, "prefill") << row.text;
+    KernelTuning tuning;
+    ASSERT_EQ(astr::kernels::parse_kernel_tuning(row.batch, &tuning), "") << row.text;
+    Row call = row;
+    call.batch.clear();  // a prefill row: "any" batch
+    for (const std::string& head_dim : split(row.head_dims, ',')) {
+      EXPECT_EQ(planned_form(call, parse_head_dims(head_dim), tuning), row.form)
+          << "head dim " << head_dim << " of the row\n  " << row.text;
+      // Without its tuning the row's call runs another form.
+      EXPECT_NE(planned_form(call, parse_head_dims(head_dim)).rfind("persistent", 0), 0u)
+          << row.text;
     }
   }
 }

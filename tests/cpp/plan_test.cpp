@@ -771,3 +771,77 @@ TEST(BatchInvariance, AnFp8PrefillReadsTheBytesWhateverTheScratchWouldTake) {
 }
 
 }  // namespace
+
+// The persistent prefill (prefill_persistent_kernel.cuh) has never run on a GPU: the automatic
+// choice never takes it; prefill_kernel=persistent does where it is compiled (sm_90a, config.h's
+// column), with one block per SM or the tuning's grid, and its items claimed or round robin.
+KernelTuning tuned(const char* text) {
+  KernelTuning tuning;
+  EXPECT_EQ(astr::kernels::parse_kernel_tuning(text, &tuning), "") << text;
+  return tuning;
+}
+
+TEST(PrefillPlan, ThePersistentKernelRunsOnlyWhenTheTuningAsks) {
+  for (int head_dim : {64, 96, 128, 256}) {
+    EXPECT_NE(astr::kernels::plan_paged_prefill(head_dim, h200(), KernelTuning{}).kernel,
+              PrefillKernel::kPersistent)
+        << head_dim;
+    const astr::kernels::PrefillPlan p =
+        astr::kernels::plan_paged_prefill(head_dim, h200(), tuned("prefill_kernel=persistent"));
+    EXPECT_EQ(p.kernel, PrefillKernel::kPersistent) << head_dim;
+    EXPECT_EQ(p.persistent_blocks, 132);
+    EXPECT_EQ(p.schedule, astr::kernels::PrefillSchedule::kClaimed);
+    EXPECT_TRUE(p.pool_boxes);
+    EXPECT_EQ(astr::kernels::describe_plan(p, false), "persistent x132");
+  }
+  const astr::kernels::PrefillPlan grid = astr::kernels::plan_paged_prefill(
+      128, h200(),
+      tuned("prefill_kernel=persistent,persistent_blocks=7,prefill_schedule=round_robin,"
+            "prefill_loads=cp_async"));
+  EXPECT_EQ(grid.persistent_blocks, 7);
+  EXPECT_EQ(grid.schedule, astr::kernels::PrefillSchedule::kRoundRobin);
+  EXPECT_FALSE(grid.pool_boxes);
+  EXPECT_EQ(astr::kernels::describe_plan(grid, false), "persistent x7 round_robin");
+}
+
+TEST(PrefillPlan, WhereThePersistentKernelCannotRunTheAutomaticChoiceDoes) {
+  const KernelTuning persistent = tuned("prefill_kernel=persistent");
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, a100(), persistent).kernel,
+            PrefillKernel::kMmaSync);
+  DeviceFacts no_sm90a = h200();
+  no_sm90a.has_sm90a_code = false;
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, no_sm90a, persistent).kernel,
+            PrefillKernel::kMmaSync);
+  // Not compiled for 192/128 nor 512 (config.h).
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(192, h200(), persistent, std::nullopt, {}, false, 128)
+                .kernel,
+            PrefillKernel::kMmaSync);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(512, h200(), persistent).kernel,
+            PrefillKernel::kMmaSync);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(512, h200(), persistent).persistent_blocks, 0);
+  // An FP8 cache: on dequantized pages it runs; reading the bytes, the wgmma kernel at D = 128
+  // (it reads 16-bit pages only), the mma.sync one at D = 64.
+  const astr::kernels::PrefillPlan dequantized =
+      astr::kernels::plan_paged_prefill(128, h200(), persistent, int64_t{1024});
+  EXPECT_EQ(dequantized.kernel, PrefillKernel::kPersistent);
+  EXPECT_EQ(astr::kernels::describe_plan(dequantized, true),
+            "persistent x132 on dequantized pages");
+  const KernelTuning in_kernel = tuned("prefill_kernel=persistent,fp8_prefill=in_kernel");
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), in_kernel, int64_t{1024}).kernel,
+            PrefillKernel::kWgmma);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), in_kernel, int64_t{1024}).kernel,
+            PrefillKernel::kMmaSync);
+}
+
+TEST(KernelTuning, ReadsThePersistentPrefillsKeys) {
+  KernelTuning tuning = tuned("prefill_kernel=persistent,prefill_schedule=round_robin");
+  EXPECT_EQ(tuning.prefill_kernel, PrefillKernel::kPersistent);
+  EXPECT_EQ(tuning.prefill_schedule, astr::kernels::PrefillSchedule::kRoundRobin);
+  EXPECT_EQ(tuned("prefill_schedule=claimed").prefill_schedule,
+            astr::kernels::PrefillSchedule::kClaimed);
+  for (const char* bad : {"prefill_schedule=sorted", "prefill_kernel=persistant"}) {
+    KernelTuning unchanged = tuning;
+    EXPECT_NE(astr::kernels::parse_kernel_tuning(bad, &unchanged), "") << bad;
+    EXPECT_EQ(unchanged.prefill_schedule, astr::kernels::PrefillSchedule::kRoundRobin) << bad;
+  }
+}

@@ -100,12 +100,22 @@ def tuning():
 # The prefill kernels the tests run, each forced by the kernel tuning where it runs (elsewhere the
 # plan's choice runs again): the warp-specialised wgmma kernel (an sm_90 GPU, a library built for
 # sm_90a, a head dim that compiles it: config.h) copying K/V by TMA boxes where the pool allows it
-# (pages of 8 slots or more) and by its cp.async gather, the first wgmma kernel and mma.sync.
+# (pages of 8 slots or more) and by its cp.async gather, the first wgmma kernel and mma.sync; and
+# the persistent form of the warp-specialised kernel (opt-in until measured): one block per SM
+# with claimed items, and grids of 3 and 2 blocks, so that every block takes many items one after
+# another (claimed and gathering; round robin by boxes).
 PREFILL_KERNEL_TUNINGS = {
     "warp_specialized": "prefill_kernel=warp_specialized",
     "warp_specialized_gather": "prefill_kernel=warp_specialized,prefill_loads=cp_async",
     "wgmma": "prefill_kernel=wgmma",
     "mma_sync": "prefill_kernel=mma_sync",
+    "persistent": "prefill_kernel=persistent",
+    "persistent_3_blocks_gather": (
+        "prefill_kernel=persistent,persistent_blocks=3,prefill_loads=cp_async"
+    ),
+    "persistent_2_blocks_round_robin": (
+        "prefill_kernel=persistent,persistent_blocks=2,prefill_schedule=round_robin"
+    ),
 }
 
 

@@ -126,6 +126,11 @@ PREFILL_KERNEL_HEAD_DIMS = [
     ("warp_specialized_gather", 96),
     ("wgmma", 128),
     ("mma_sync", 128),
+    ("persistent", 64),
+    ("persistent", 128),
+    ("persistent", 256),
+    ("persistent_3_blocks_gather", 96),
+    ("persistent_2_blocks_round_robin", 128),
 ]
 
 

@@ -33,6 +33,7 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # run, the automatic choice) and the way.
 PREFILL_WAYS = {
     "warp_specialized": "prefill_kernel=warp_specialized,fp8_prefill=dequantize_first",
+    "persistent": "prefill_kernel=persistent,fp8_prefill=dequantize_first",
     "wgmma_in_kernel": "prefill_kernel=wgmma,fp8_prefill=in_kernel",
     "wgmma_dequantized": "prefill_kernel=wgmma,fp8_prefill=dequantize_first",
     "mma_sync_in_kernel": "prefill_kernel=mma_sync,fp8_prefill=in_kernel",

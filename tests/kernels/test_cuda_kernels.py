@@ -774,6 +774,72 @@ def test_warp_specialized_prefill_copies_by_tma_boxes_where_the_pool_allows(
     assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the persistent prefill: an sm_90 GPU",
+)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("page_size,boxes", [(1, False), (16, True), (256, True)])
+@pytest.mark.parametrize("blocks", ["", "1", "5"])
+@pytest.mark.parametrize("schedule", ["claimed", "round_robin"])
+def test_persistent_prefill_takes_every_item_once_across_its_blocks(
+    head_dim, page_size, boxes, blocks, schedule, tuning
+):
+    """prefill_kernel=persistent runs the scheduler's sort and the persistent kernel (the kernel
+    names are the control: PrefillPersistentTraits<D, boxes>), on one block per SM, on one block
+    that takes every item in turn, and on 5; its items claimed or round robin. A ragged batch with
+    cached prefixes whose sequences have 0 to 22 row tiles (GQA 4: 32 tokens a tile), a one-token
+    sequence behind a long prefix (the longest item), into a NaN-poisoned output: every row
+    matches the float64 reference, so every item ran once and no item's pipeline leaked into the
+    next one's."""
+    tuning(
+        "prefill_kernel=persistent",
+        f"persistent_blocks={blocks}" if blocks else "",
+        f"prefill_schedule={schedule}",
+    )
+    g = torch.Generator(device="cuda").manual_seed(head_dim + page_size + len(blocks))
+    q_lens = [700, 1, 0, 300, 129, 64]
+    lens = [700, 3000, 50, 2100, 129, 64 + 999]
+    batch = PagedBatch(lens, q_lens, 8, 2, head_dim, page_size, torch.bfloat16, generator=g)
+    scale = 1.0 / math.sqrt(head_dim)
+    names = launched_kernel_names(lambda: run_prefill(batch, batch.q, scale))
+    assert any("prefill_schedule_kernel" in n for n in names), names
+    traits = f"PrefillPersistentTraits<{head_dim}, {str(boxes).lower()}>"
+    prefills = [n for n in names if "paged_prefill" in n]
+    assert prefills and all(traits in n for n in prefills), prefills
+    out = run_prefill(batch, batch.q, scale)  # (into a NaN-poisoned output)
+    assert_close(out, reference(batch, batch.q, True, scale), torch.bfloat16)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="the persistent prefill: an sm_90 GPU",
+)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("loads", ["auto", "cp_async"])
+def test_persistent_prefill_is_the_grid_kernel_bit_for_bit(head_dim, loads, tuning):
+    """The persistent kernel runs the grid kernel's tiles in the grid kernel's order with its
+    arithmetic (PrefillPersistentTraits: the same tiles and stages): every row, and its LSE, is
+    the same bits whatever block took the item and whatever item it followed, over a ragged batch
+    with cached prefixes, a window, softcap and sinks, on 3 blocks."""
+    g = torch.Generator(device="cuda").manual_seed(90 + head_dim)
+    q_lens = [700, 1, 300, 129]
+    lens = [900, 3000, 2100, 129]
+    batch = PagedBatch(lens, q_lens, 8, 2, head_dim, 16, torch.bfloat16, generator=g)
+    sinks = torch.randn(8, device="cuda", generator=g)
+    kwargs = dict(window_left=500, softcap=30.0, sinks=sinks, return_lse=True)
+
+    def run_under(text):
+        tuning(text, f"prefill_loads={loads}")
+        poison_next_allocation(output_shape(batch, batch.q), batch.q.dtype)
+        return batch_cuda_op(batch, batch.q, max(q_lens), False, None, True, 0.1, **kwargs)
+
+    out, lse = run_under("prefill_kernel=warp_specialized")
+    persistent_out, persistent_lse = run_under("prefill_kernel=persistent,persistent_blocks=3")
+    assert torch.equal(out, persistent_out)
+    assert torch.equal(lse, persistent_lse)
+
+
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_head_major_pages_are_written_and_read_through_strides(page_size, prefill_kernel):
     """A pool stored head-major per page, passed as its [P, S, Hkv, D] view: append_kv writes

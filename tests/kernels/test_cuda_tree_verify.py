@@ -44,6 +44,7 @@ FORMS = {
     "verify_7_splits": "verify_form=always,decode_splits=7",
     "prefill_warp_specialized": "verify_form=never,prefill_kernel=warp_specialized",
     "prefill_gather": "verify_form=never,prefill_kernel=warp_specialized,prefill_loads=cp_async",
+    "prefill_persistent": "verify_form=never,prefill_kernel=persistent,persistent_blocks=3",
     "prefill_wgmma": "verify_form=never,prefill_kernel=wgmma,fp8_prefill=in_kernel",
     "prefill_mma_sync": "verify_form=never,prefill_kernel=mma_sync,fp8_prefill=in_kernel",
     "prefill_dequantized": "verify_form=never,prefill_kernel=mma_sync,fp8_prefill=dequantize_first",

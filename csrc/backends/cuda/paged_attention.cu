@@ -17,6 +17,7 @@
 #include "backends/cuda/paged_attention_params.h"
 #include "kernels/kv_cache/kv_cache.h"
 #include "kernels/paged_attention/launch.h"
+#include "kernels/paged_attention/prefill_tile_scheduler.h"
 #include "support/check.h"
 #include "support/kernel_settings.h"
 
@@ -148,6 +149,21 @@ kernels::LaunchStatus launch_prefill(const kernels::PagedAttentionParams& base,
   }
   params.query_start_loc = args.query_start_loc->data_ptr<int32_t>();
   params.max_query_len = static_cast<int>(std::min<int64_t>(args.max_query_len, INT32_MAX));
+  // The persistent prefill's item order and claim counter, written by its launch in the stream
+  // (also inside a captured graph); sized from shapes only (B, max_query_len, the group).
+  at::Tensor schedule;
+  if (plan.error.empty() && plan.kernel == kernels::PrefillKernel::kPersistent) {
+    const int64_t row_tiles = kernels::prefill_grid_row_tiles(
+        params.max_query_len, shape.num_q_heads / shape.num_kv_heads,
+        kernels::kPersistentPrefillRows);
+    ASTR_CHECK(shape.num_seqs * row_tiles * shape.num_kv_heads <= INT32_MAX,
+               "cuda_paged_attention: too many prefill items for the persistent kernel (",
+               shape.num_seqs, " sequences x ", row_tiles, " row tiles x ", shape.num_kv_heads,
+               " kv heads)");
+    schedule = at::empty({kernels::prefill_schedule_ints(shape.num_seqs, row_tiles)},
+                         args.q.options().dtype(at::kInt));
+    params.schedule_workspace = schedule.data_ptr<int32_t>();
+  }
   return kernels::launch_paged_prefill(params, plan, stream);
 }
 

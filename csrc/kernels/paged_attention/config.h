@@ -32,6 +32,10 @@ namespace astr::kernels {
 //   prefill_warp_specialized  the warp-specialised prefill on wgmma: a producer warpgroup, two
 //                        consumers taking turns (prefill_warp_specialized_kernel.cuh; sm_90a
 //                        builds; head dims of whole 32-element halves of column blocks)
+//   prefill_persistent   the warp-specialised prefill as one block per SM looping over items
+//                        handed out longest first (prefill_persistent_kernel.cuh,
+//                        prefill_tile_scheduler.h; sm_90a builds): opt-in (prefill_kernel=
+//                        persistent) until a GPU has measured it
 //   topk                 the sparse top-k kernels (topk_attention_kernel.cuh): rows whose v
 //                        head dim is at most 256 (the decode's 4-warp block, v's columns in
 //                        one block)
@@ -45,6 +49,7 @@ struct HeadDimForms {
   bool decode_persistent;
   bool prefill_wgmma;
   bool prefill_warp_specialized;
+  bool prefill_persistent;
   bool topk;
 };
 
@@ -52,12 +57,12 @@ struct HeadDimForms {
 // generate_instantiations.py parses the rows between the two markers: keep one row per line.
 inline constexpr HeadDimForms kPagedHeadDims[] = {
     // BEGIN HEAD DIMS
-    {64,  64,  false, false, false, false, true,  true},
-    {96,  96,  false, false, false, false, true,  true},
-    {128, 128, true,  true,  true,  true,  true,  true},
-    {192, 128, false, false, false, false, false, true},
-    {256, 256, false, false, false, false, true,  true},
-    {512, 512, false, false, false, false, false, false},
+    {64,  64,  false, false, false, false, true,  true,  true},
+    {96,  96,  false, false, false, false, true,  true,  true},
+    {128, 128, true,  true,  true,  true,  true,  true,  true},
+    {192, 128, false, false, false, false, false, false, true},
+    {256, 256, false, false, false, false, true,  true,  true},
+    {512, 512, false, false, false, false, false, false, false},
     // END HEAD DIMS
 };
 // clang-format on
@@ -75,8 +80,8 @@ inline constexpr size_t kNumPagedHeadDims = sizeof(kPagedHeadDims) / sizeof(kPag
 // converts its tiles in shared memory (prefill_wgmma_kernel.cuh). plan.h says when a prefill
 // reads the bytes rather than pages the binding has dequantized first
 // (csrc/backends/cuda/paged_attention.cu). The other families (the persistent decode, the
-// warp-specialised prefill) are built for q's own type only: the plan keeps FP8 decodes off the
-// persistent form, and FP8 prefills reading the bytes off the warp-specialised one.
+// warp-specialised prefills) are built for q's own type only: the plan keeps FP8 decodes off the
+// persistent form, and FP8 prefills reading the bytes off the warp-specialised ones.
 #define ASTR_PAGED_KV_KINDS(X) X(kSameAsQ, Q, same) X(kFp8, uint8_t, fp8)
 
 // The development build (ASTR_HEAD_DIM=128 at build time: setup.py defines ASTR_ONLY_HEAD_DIM)

@@ -23,7 +23,7 @@ struct PagedKernelArgs {
   int split_tiles;                 // decode: 0, split s takes tiles s, s + S, ...; else this many
                                    // consecutive tiles from s * split_tiles (DecodePlan)
   bool merge_in_cluster;           // decode: the 2 splits form a cluster and merge in it
-  int persistent_blocks;           // persistent decode: the grid
+  int persistent_blocks;           // persistent decode and prefill: the grid
   int* claim_counter;              // persistent decode: items claimed beyond the grid's first
   bool early_start;                // persistent decode: a dependent launch of the counter's reset
   float* partial_out;              // split decode: [num_splits, T, Hq, D] fp32
@@ -33,6 +33,8 @@ struct PagedKernelArgs {
   float scale_log2;                // scale * log2(e): softmax runs on exp2
   bool pool_boxes;                 // prefill: the plan lets a kernel copy K/V by TMA boxes
   int panel_pairs;                 // prefill: the block order's panels (PrefillPlan; 0: one)
+  int32_t* prefill_schedule;       // persistent prefill: the scheduler's workspace
+  bool round_robin;                // persistent prefill: items every grid-th, not claimed
 };
 
 // The current device's compute capability as major * 10 + minor (0 when it cannot be read); the
@@ -69,5 +71,10 @@ LaunchStatus run_paged_prefill_wgmma(const PagedKernelArgs& args, cudaStream_t s
 // The warp-specialised prefill on wgmma (prefill_warp_specialized_kernel.cuh): as above.
 template <int D, typename T, typename KV>
 LaunchStatus run_paged_prefill_warp_specialized(const PagedKernelArgs& args, cudaStream_t stream);
+
+// Its persistent form (prefill_persistent_kernel.cuh): the scheduler's sort, then one block per SM
+// (at most args.persistent_blocks) looping over items; as above.
+template <int D, typename T, typename KV>
+LaunchStatus run_paged_prefill_persistent(const PagedKernelArgs& args, cudaStream_t stream);
 
 }  // namespace astr::kernels

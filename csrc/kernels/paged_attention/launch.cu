@@ -247,6 +247,14 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
   args.max_query_len = params.max_query_len;
   args.pool_boxes = plan.pool_boxes;
   args.panel_pairs = plan.panel_pairs;
+  const bool persistent = plan.kernel == PrefillKernel::kPersistent;
+  if (persistent) {
+    if (plan.persistent_blocks < 1 || params.schedule_workspace == nullptr)
+      return {"prefill: the persistent kernel needs a grid and a scheduler workspace"};
+    args.persistent_blocks = plan.persistent_blocks;
+    args.prefill_schedule = params.schedule_workspace;
+    args.round_robin = plan.schedule == PrefillSchedule::kRoundRobin;
+  }
   const bool wgmma = plan.kernel == PrefillKernel::kWgmma;
   const bool warp_specialized = plan.kernel == PrefillKernel::kWarpSpecialized;
   status = {"paged prefill: " + unsupported_head_dim_message(params.head_dim, params.head_dim_v)};
@@ -260,6 +268,17 @@ LaunchStatus launch_paged_prefill(const PagedPrefillParams& params, const Prefil
         if (wgmma) return run_paged_prefill_wgmma<D, T, KV>(args, stream);
       }
       if (wgmma) return {"prefill: the wgmma kernel is not compiled for this head dim"};
+      if (persistent) {
+        if constexpr (!std::is_same_v<T, KV>) {
+          return {
+              "prefill: the persistent kernel reads a cache of q's dtype (an FP8 cache is "
+              "dequantized first)"};
+        } else if constexpr (paged_head_dim_forms(D, DV)->prefill_persistent) {
+          return run_paged_prefill_persistent<D, T, KV>(args, stream);
+        } else {
+          return {"prefill: the persistent kernel is not compiled for this head dim"};
+        }
+      }
       if (warp_specialized) {
         if constexpr (!std::is_same_v<T, KV>) {
           return {

@@ -103,6 +103,9 @@ struct PagedAttentionParams {
 struct PagedPrefillParams : PagedAttentionParams {
   const int32_t* query_start_loc;  // [B + 1] int32 prefix sums of new-token counts
   int max_query_len;               // host upper bound of new tokens per sequence (sizes the grid)
+  // The persistent prefill's scheduler workspace (prefill_tile_scheduler.h:
+  // prefill_schedule_ints), written by the launch in the stream; null for the other kernels.
+  int32_t* schedule_workspace;
 };
 
 // Decode: exactly one new token per sequence (T == B, token b belongs to sequence b). How it runs

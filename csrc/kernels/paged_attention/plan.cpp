@@ -114,6 +114,10 @@ std::string describe_plan(const TopkPlan& plan) {
 
 std::string describe_plan(const PrefillPlan& plan, bool fp8_cache) {
   std::string form = prefill_kernel_name(plan.kernel);
+  if (plan.kernel == PrefillKernel::kPersistent) {
+    form += " x" + std::to_string(plan.persistent_blocks);
+    if (plan.schedule == PrefillSchedule::kRoundRobin) form += " round_robin";
+  }
   if (fp8_cache) form += plan.dequantize_fp8_first ? " on dequantized pages" : " reading FP8";
   return form;
 }
@@ -146,6 +150,20 @@ const char* prefill_kernel_name(PrefillKernel kernel) {
       return "wgmma";
     case PrefillKernel::kMmaSync:
       return "mma_sync";
+    case PrefillKernel::kPersistent:
+      return "persistent";
+  }
+  return "?";
+}
+
+const char* prefill_schedule_name(PrefillSchedule schedule) {
+  switch (schedule) {
+    case PrefillSchedule::kAuto:
+      return "auto";
+    case PrefillSchedule::kClaimed:
+      return "claimed";
+    case PrefillSchedule::kRoundRobin:
+      return "round_robin";
   }
   return "?";
 }
@@ -229,10 +247,20 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       ok = parse_int(value, 1, 1 << 20, &parsed.persistent_blocks);
     } else if (key == "prefill_kernel") {
       ok = false;
-      for (PrefillKernel kernel : {PrefillKernel::kAuto, PrefillKernel::kWarpSpecialized,
-                                   PrefillKernel::kWgmma, PrefillKernel::kMmaSync}) {
+      for (PrefillKernel kernel :
+           {PrefillKernel::kAuto, PrefillKernel::kWarpSpecialized, PrefillKernel::kWgmma,
+            PrefillKernel::kMmaSync, PrefillKernel::kPersistent}) {
         if (value == prefill_kernel_name(kernel)) {
           parsed.prefill_kernel = kernel;
+          ok = true;
+        }
+      }
+    } else if (key == "prefill_schedule") {
+      ok = false;
+      for (PrefillSchedule schedule :
+           {PrefillSchedule::kAuto, PrefillSchedule::kClaimed, PrefillSchedule::kRoundRobin}) {
+        if (value == prefill_schedule_name(schedule)) {
+          parsed.prefill_schedule = schedule;
           ok = true;
         }
       }
@@ -288,7 +316,8 @@ std::string parse_kernel_tuning(std::string_view text, KernelTuning* tuning) {
       return "kernel tuning: cannot read '" + std::string(item) +
              "' (expected comma-separated decode_form=auto|split|cluster|block_pairs|"
              "eight_warps|persistent, decode_splits=1..65535, persistent_blocks=N, "
-             "prefill_kernel=auto|warp_specialized|wgmma|mma_sync, "
+             "prefill_kernel=auto|warp_specialized|wgmma|mma_sync|persistent, "
+             "prefill_schedule=auto|claimed|round_robin, "
              "fp8_prefill=auto|in_kernel|dequantize_first, prefill_loads=auto|tma|cp_async, "
              "prefill_l2_panel=auto|all|N, verify_form=auto|always|never, "
              "invariant_split_tiles=1..65535, mla_kernel=auto|tensor_core|simple, "
@@ -486,7 +515,8 @@ TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
 // it, else the first wgmma kernel, else mma.sync. With TMA boxes (pool_tensor_map.h) the
 // warp-specialised kernel is the fastest at every head dim it compiles; at D = 128 the first wgmma
 // kernel is compiled too, for FP8 pages read in the kernel, and runs with prefill_kernel=wgmma
-// (decisions.md, "Prefill: which kernel runs at each head dim").
+// (decisions.md, "Prefill: which kernel runs at each head dim"). The persistent form of the
+// warp-specialised kernel runs only when the tuning asks for it: no GPU has measured it yet.
 PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const KernelTuning& tuning,
                                std::optional<int64_t> fp8_scratch_bytes,
                                const PrefillKvFootprint& kv, bool batch_invariant, int head_dim_v) {
@@ -506,9 +536,12 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
   const bool sm90a = device.has_sm90a_code && device.arch == 90;
   const bool warp_specialized_runs = forms->prefill_warp_specialized && sm90a;
   const bool wgmma_runs = forms->prefill_wgmma && sm90a;
+  const bool persistent_runs = forms->prefill_persistent && sm90a;
   const PrefillKernel wanted = tuning.prefill_kernel;
   if (wanted == PrefillKernel::kMmaSync) {
     plan.kernel = PrefillKernel::kMmaSync;
+  } else if (wanted == PrefillKernel::kPersistent && persistent_runs) {
+    plan.kernel = PrefillKernel::kPersistent;
   } else if (wanted == PrefillKernel::kWgmma && wgmma_runs) {
     plan.kernel = PrefillKernel::kWgmma;
   } else if (warp_specialized_runs) {
@@ -525,7 +558,7 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
       first = tuning.fp8_prefill == Fp8Prefill::kDequantizeFirst;
     // The dequantizing pass writes K and V pages of one head dim: other v head dims read the bytes.
     if (head_dim_v != head_dim) first = false;
-    // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised one), the
+    // Reading the bytes: the kernel planned, or where it cannot (the warp-specialised ones), the
     // wgmma one where it runs and can, else the mma.sync prefill, which
     // can at every head dim on every GPU.
     if (!first && !prefill_reads_fp8(plan.kernel, head_dim)) {
@@ -535,8 +568,16 @@ PrefillPlan plan_paged_prefill(int head_dim, const DeviceFacts& device, const Ke
     }
     plan.dequantize_fp8_first = first;
   }
-  plan.pool_boxes = plan.kernel == PrefillKernel::kWarpSpecialized &&
-                    tuning.prefill_loads != PrefillLoads::kCpAsync;
+  const bool warp_specialized =
+      plan.kernel == PrefillKernel::kWarpSpecialized || plan.kernel == PrefillKernel::kPersistent;
+  plan.pool_boxes = warp_specialized && tuning.prefill_loads != PrefillLoads::kCpAsync;
+  if (plan.kernel == PrefillKernel::kPersistent) {
+    plan.persistent_blocks =
+        tuning.persistent_blocks > 0 ? tuning.persistent_blocks : std::max(device.num_sms, 1);
+    plan.schedule = tuning.prefill_schedule == PrefillSchedule::kRoundRobin
+                        ? PrefillSchedule::kRoundRobin
+                        : PrefillSchedule::kClaimed;
+  }
   const int64_t panel = tuning.prefill_l2_panel >= 0
                             ? tuning.prefill_l2_panel
                             : prefill_panel_pairs(kv.bytes_per_pair, device.l2_cache_bytes);

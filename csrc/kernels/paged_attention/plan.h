@@ -40,7 +40,12 @@ struct DeviceFacts {
 };
 
 enum class DecodeForm : int { kAuto, kSplit, kCluster, kBlockPairs, kEightWarps, kPersistent };
-enum class PrefillKernel : int { kAuto, kWarpSpecialized, kWgmma, kMmaSync };
+// kPersistent: the warp-specialised prefill as one block per SM looping over items
+// (prefill_persistent_kernel.cuh); opt-in (prefill_kernel=persistent) until a GPU has measured it.
+enum class PrefillKernel : int { kAuto, kWarpSpecialized, kWgmma, kMmaSync, kPersistent };
+// How the persistent prefill's blocks take their items after their first
+// (prefill_tile_scheduler.h).
+enum class PrefillSchedule : int { kAuto, kClaimed, kRoundRobin };
 // How a prefill over an FP8 cache reads it (PrefillPlan::dequantize_fp8_first).
 enum class Fp8Prefill : int { kAuto, kInKernel, kDequantizeFirst };
 // How the warp-specialised prefill copies K/V tiles (PrefillPlan::pool_boxes).
@@ -58,10 +63,13 @@ enum class MlaKernel : int { kAuto, kTensorCore, kSimple };
 //   decode_splits=N                  N splits (1..65535) instead of the rule's (plan below); with
 //                                    the automatic form, 2 splits merge as the rule would merge 2;
 //                                    a top-k call's splits too (TopkPlan)
-//   persistent_blocks=N              the persistent decode's grid (at most the items), for tests
-//                                    that give each block several items
-//   prefill_kernel=auto|warp_specialized|wgmma|mma_sync  a preference: that kernel where it
-//                                    runs (else the automatic choice), or mma.sync always
+//   persistent_blocks=N              the persistent decode's and the persistent prefill's grid (at
+//                                    most the items), for tests that give each block several items
+//   prefill_kernel=auto|warp_specialized|wgmma|mma_sync|persistent  a preference: that kernel
+//                                    where it runs (else the automatic choice), or mma.sync always;
+//                                    auto never picks persistent (not yet measured)
+//   prefill_schedule=auto|claimed|round_robin  the persistent prefill's items after each block's
+//                                    first: claimed from a counter (auto), or every grid-th
 //   fp8_prefill=auto|in_kernel|dequantize_first  how a prefill reads an FP8 cache: in_kernel
 //                                    where the kernel can (prefill_reads_fp8), else dequantized
 //   prefill_loads=auto|tma|cp_async  the warp-specialised prefill's copies: TMA boxes where the
@@ -83,6 +91,7 @@ struct KernelTuning {
   int decode_splits = 0;      // 0: the rule's
   int persistent_blocks = 0;  // 0: one per SM
   PrefillKernel prefill_kernel = PrefillKernel::kAuto;
+  PrefillSchedule prefill_schedule = PrefillSchedule::kAuto;
   Fp8Prefill fp8_prefill = Fp8Prefill::kAuto;
   PrefillLoads prefill_loads = PrefillLoads::kAuto;
   int prefill_l2_panel = -1;  // -1: the rule's (prefill_panel_pairs); 0: all pairs; N: N pairs
@@ -138,6 +147,11 @@ struct PrefillPlan {
   // few pairs, which the L2 cache keeps between their row tiles (prefill_panel_pairs). 0: one
   // panel of every pair (each row tile over all pairs, the order before panels).
   int panel_pairs = 0;
+  // kPersistent: the grid's blocks (one per SM, or the tuning's persistent_blocks; the launch
+  // takes at most the items) and how they take items after their first (never kAuto). The
+  // persistent kernel orders its items itself (longest first) and reads no panel_pairs.
+  int persistent_blocks = 0;
+  PrefillSchedule schedule = PrefillSchedule::kClaimed;
   std::string error;
 };
 // What a prefill's (sequence, kv head) pairs read, for its block order: pairs, and the bytes of
@@ -226,8 +240,10 @@ bool prefill_runs_as_verify(int64_t max_query_len, const KernelTuning& tuning,
 
 const char* decode_form_name(DecodeForm form);
 const char* prefill_kernel_name(PrefillKernel kernel);
-// A plan as csrc/README.md's kernel table writes it: "split x13"; "warp_specialized", and for an
-// FP8 cache "... on dequantized pages" or "... reading FP8". Also what the "astrai" logger and the
+const char* prefill_schedule_name(PrefillSchedule schedule);
+// A plan as csrc/README.md's kernel table writes it: "split x13"; "warp_specialized" (the
+// persistent prefill: "persistent x132", "persistent x132 round_robin"), and for an FP8 cache
+// "... on dequantized pages" or "... reading FP8". Also what the "astrai" logger and the
 // profiler ranges name (astr::cuda_paged_plan).
 std::string describe_plan(const DecodePlan& plan);
 std::string describe_plan(const PrefillPlan& plan, bool fp8_cache);

@@ -123,18 +123,20 @@ struct StageBarriers {
 // The producer's gather (every page size): the warpgroup's 128 threads copy each tile with
 // cp.async, each thread's arrival counted once its copies have landed (the full barriers expect
 // 128). Before its copies, one thread per row puts the row's K and V offsets into the row ring
-// (kv_tile_loader.cuh), the next tile's page ids already read.
+// (kv_tile_loader.cuh), the next tile's page ids already read. first_tile: the first tile's index
+// in the block's stream of tiles (the stages' order; the persistent prefill's blocks take several
+// items in turn), 0 here.
 template <typename Traits, typename T>
 __device__ __forceinline__ void produce_tiles_by_gather(StageBarriers<Traits::kStages>& bars,
                                                         const KVTileLoader<Traits, T>& loader,
                                                         int64_t* row_ring, int num_tiles,
-                                                        int producer_barrier) {
+                                                        int producer_barrier, int first_tile = 0) {
   constexpr int kStages = Traits::kStages;
   constexpr int kSlots = Traits::kRowRingSlots;
   int32_t next_page = loader.read_row_page(0);
   for (int tile = 0; tile < num_tiles; ++tile) {
-    const int stage = tile % kStages;
-    const int free_parity = ((tile / kStages) & 1) ^ 1;
+    const int stage = (first_tile + tile) % kStages;
+    const int free_parity = (((first_tile + tile) / kStages) & 1) ^ 1;
     // The tile's row offsets into the ring, the next tile's page ids read (used an iteration
     // later); the barrier publishes the ring slot, and every thread is past its reads of the
     // slot's last use (two tiles back).
@@ -160,12 +162,12 @@ __device__ __forceinline__ void produce_tiles_by_gather(StageBarriers<Traits::kS
 // page (their weights are 0, but 0 * NaN is NaN): warps 1-3 wait at the producer's barrier until
 // warp 0, which has followed the stages' phases in order, finds that tile's stage free; then each
 // thread's copies are counted on the barrier (cp_async_arrive_on_counted) and, once every thread
-// has counted them, thread 0 arrives.
+// has counted them, thread 0 arrives. first_tile: as for the gather.
 template <typename Traits, typename T>
 __device__ __forceinline__ void produce_tiles_by_boxes(
     const PagedAttentionParams& p, const PoolTensorMaps& maps, StageBarriers<Traits::kStages>& bars,
     const KVTileLoader<Traits, T>& loader, int64_t* row_ring, int kv_head, int kv_begin, int kv_end,
-    int num_tiles, int producer_barrier) {
+    int num_tiles, int producer_barrier, int first_tile = 0) {
   constexpr int kTileN = Traits::kTileN;
   constexpr int kStages = Traits::kStages;
   constexpr int kSlots = Traits::kRowRingSlots;
@@ -192,8 +194,8 @@ __device__ __forceinline__ void produce_tiles_by_boxes(
     const uint32_t box_offset = (column_block * kTileN + box_row) * 128;  // bytes into a tile
     const int page_mask = (1 << p.log2_page_size) - 1;
     for (int tile = 0; tile < whole_tiles; ++tile) {
-      const int stage = tile % kStages;
-      const int free_parity = ((tile / kStages) & 1) ^ 1;
+      const int stage = (first_tile + tile) % kStages;
+      const int free_parity = (((first_tile + tile) / kStages) & 1) ^ 1;
       const int pos = kv_begin + tile * kTileN + box_row;
       // Positions below kv_end <= the block table's width: the id is in the sequence's row. An id
       // outside the pool reads zeros (and prescan_page_ids has poisoned the rows).
@@ -217,8 +219,8 @@ __device__ __forceinline__ void produce_tiles_by_boxes(
   }
   if (partial_last) {
     const int tile = num_tiles - 1;
-    const int stage = tile % kStages;
-    const int free_parity = ((tile / kStages) & 1) ^ 1;
+    const int stage = (first_tile + tile) % kStages;
+    const int free_parity = (((first_tile + tile) / kStages) & 1) ^ 1;
     loader.template put_row_offsets<kSlots>(row_ring, tile, loader.read_row_page(tile));
     if (warp == 0) {
       mbarrier_wait(&bars.k_empty[stage], free_parity);
