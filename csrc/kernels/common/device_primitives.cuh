@@ -78,6 +78,21 @@ __device__ __forceinline__ void mma_m16n8k16<__half>(float (&c)[4], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A 16-bit float to and from float32 (torch's extension flags turn off their implicit
+// conversions).
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half(x);
+}
+
 // Two floats -> one 32-bit register of two 16-bit values (low half = first).
 template <typename T>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi);

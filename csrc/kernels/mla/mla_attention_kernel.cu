@@ -20,6 +20,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "../common/device_primitives.cuh"
 #include "config.h"
 #include "launch.h"
 #include "sequence_rows.cuh"
@@ -43,20 +44,6 @@ static_assert(kLatent % 32 == 0 && kLatent % 16 == 0 && kRope % 8 == 0, "16-byte
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-// (torch's extension flags turn off __half's and __nv_bfloat16's implicit conversions.)
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half(x);
-}
 
 // 16 bytes of 16-bit values (8 of them) as floats into shared memory.
 template <typename T>

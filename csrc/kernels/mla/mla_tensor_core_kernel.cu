@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/device_primitives.cuh"
 #include "config.h"
 #include "launch.h"
 #include "sequence_rows.cuh"
@@ -67,81 +68,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// (torch's extension flags turn off __half's and __nv_bfloat16's implicit conversions.)
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half(x);
-}
-
-// Two floats as one 32-bit register of two T values, the first in the low half (the lower
-// column of an mma fragment).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ uint32_t smem_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, asynchronously; src_bytes 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
-}
 // The two warps of row group `group` (warps group and group + 4) wait for each other.
 __device__ __forceinline__ void pair_barrier(int group) {
   asm volatile("bar.sync %0, 64;\n" ::"r"(1 + group));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_address(p)));
-}
-
-// c += a b on the tensor cores, 16 x 8 x 16, float32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 }
 
 // 16 e4m3 bytes as 16 T values (exact: every e4m3 value is a bf16 and an fp16), two uint4s.
@@ -155,7 +84,7 @@ __device__ __forceinline__ void fp8x16_to(const uint4& raw, uint4 (&out)[2]) {
     if constexpr (std::is_same_v<T, __half>) {
       words[i] = *reinterpret_cast<const uint32_t*>(&h);
     } else {
-      words[i] = pack2<__nv_bfloat16>(__low2float(h), __high2float(h));
+      words[i] = pack_pair<__nv_bfloat16>(__low2float(h), __high2float(h));
     }
   }
 }
@@ -258,7 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                       place.head * p.q_rope_stride_head + (piece - kLatent / 8) * 8;
       bytes = 16;
     }
-    cp_async_16(dst, src, bytes);
+    cp_async_16(shared_address(dst), src, bytes != 0);
   }
 
   // A tile of positions [tile, tile + kKeys) into buffer `buf`; positions past `end` (and any on
@@ -281,17 +210,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kFp8) {
           const uint8_t* src = static_cast<const uint8_t*>(p.ckv_cache);
           if (read) src += page * p.ckv_stride_page + slot * p.ckv_stride_slot + piece * 16;
-          cp_async_16(fp8_tiles + (buf * kKeys + k) * kLatent + piece * 16, src, read ? 16 : 0);
+          cp_async_16(shared_address(fp8_tiles + (buf * kKeys + k) * kLatent + piece * 16), src,
+                      read);
         } else {
           const T* src = static_cast<const T*>(p.ckv_cache);
           if (read) src += page * p.ckv_stride_page + slot * p.ckv_stride_slot + piece * 8;
-          cp_async_16(kv + k * kStride + piece * 8, src, read ? 16 : 0);
+          cp_async_16(shared_address(kv + k * kStride + piece * 8), src, read);
         }
       } else {
         const int rope_piece = piece - kLatentPieces;
         const T* src = static_cast<const T*>(p.krope_cache);
         if (read) src += page * p.krope_stride_page + slot * p.krope_stride_slot + rope_piece * 8;
-        cp_async_16(kv + k * kStride + kLatent + rope_piece * 8, src, read ? 16 : 0);
+        cp_async_16(shared_address(kv + k * kStride + kLatent + rope_piece * 8), src, read);
       }
     }
   };
@@ -347,11 +277,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 4
       for (int kk = 0; kk < kWidthSteps; ++kk) {
         uint32_t a[4], b[4];
-        ldmatrix_x4(a, q_warp + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
-        ldmatrix_x4(
-            b, kv + (key0 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
-        mma_16816<T>(s[0], a, b[0], b[1]);
-        mma_16816<T>(s[1], a, b[2], b[3]);
+        ldmatrix_x4(shared_address(q_warp + (lane % 16) * kStride + kk * 16 + (lane / 16) * 8), a);
+        ldmatrix_x4(shared_address(kv + (key0 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 +
+                                   ((lane / 8) % 2) * 8),
+                    b);
+        mma_m16n8k16<T>(s[0], a, b[0], b[1]);
+        mma_m16n8k16<T>(s[1], a, b[2], b[3]);
         if (kFp8 && kk == kLatentSteps - 1) {  // the latent part read stored values: scale it
 #pragma unroll
           for (int j = 0; j < kScoreTiles; ++j)
@@ -401,9 +332,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           row_sum[e / 2] += weight[e];
         }
         *reinterpret_cast<uint32_t*>(prob_warp + g * kProbStride + j * 8 + 2 * t) =
-            pack2<T>(weight[0], weight[1]);
+            pack_pair<T>(weight[0], weight[1]);
         *reinterpret_cast<uint32_t*>(prob_warp + (g + 8) * kProbStride + j * 8 + 2 * t) =
-            pack2<T>(weight[2], weight[3]);
+            pack_pair<T>(weight[2], weight[3]);
       }
 #pragma unroll
       for (int j = 0; j < kOutTiles; ++j) {
@@ -420,14 +351,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ks = 0; ks < kKeys / 16; ++ks) {
         uint32_t a[4];
-        ldmatrix_x4(a, prob_rows + (lane % 16) * kProbStride + ks * 16 + (lane / 16) * 8);
+        ldmatrix_x4(
+            shared_address(prob_rows + (lane % 16) * kProbStride + ks * 16 + (lane / 16) * 8), a);
 #pragma unroll
         for (int pair = 0; pair < kOutTiles / 2; ++pair) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, v_warp + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride +
-                                   pair * 16 + (lane / 16) * 8);
-          mma_16816<T>(acc[2 * pair], a, b[0], b[1]);
-          mma_16816<T>(acc[2 * pair + 1], a, b[2], b[3]);
+          ldmatrix_x4_trans(
+              shared_address(v_warp + (ks * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride +
+                             pair * 16 + (lane / 16) * 8),
+              b);
+          mma_m16n8k16<T>(acc[2 * pair], a, b[0], b[1]);
+          mma_m16n8k16<T>(acc[2 * pair + 1], a, b[2], b[3]);
         }
       }
     }  // warp_has_rows
@@ -475,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int j = 0; j < kOutTiles; ++j) {
         *reinterpret_cast<uint32_t*>(out + column0 + j * 8) =
-            pack2<T>(acc[j][2 * i] * inverse, acc[j][2 * i + 1] * inverse);
+            pack_pair<T>(acc[j][2 * i] * inverse, acc[j][2 * i + 1] * inverse);
       }
     }
     if (column_half == 0 && t == 0)
