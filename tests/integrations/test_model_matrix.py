@@ -28,12 +28,11 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from packaging.version import Version  # noqa: E402
 from transformers import (  # noqa: E402
     AttentionInterface,
-    ContinuousBatchingConfig,
-    GenerationConfig,
 )
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function  # noqa: E402
 
 import astrai.integrations.transformers as astrai_transformers  # noqa: E402
+import tests.integrations.greedy as greedy  # noqa: E402
 from astrai.extension import attention  # noqa: E402
 
 astrai_transformers.register()
@@ -334,37 +333,19 @@ PROMPT_LENGTHS = (3, 17, 9, 26, 1)
 
 
 def prompts():
-    generator = torch.Generator().manual_seed(11)
-    return [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    return greedy.random_prompts(VOCAB, PROMPT_LENGTHS)
 
 
 def generate_batch(model, implementation, steps=6):
-    model.set_attn_implementation(implementation)
-    config = GenerationConfig(max_new_tokens=steps, do_sample=False, pad_token_id=0)
-    config.eos_token_id = None
     # A small token budget: prompts are prefilled in chunks onto cached pages, and batches mix
     # prefill and decode.
-    outputs = model.generate_batch(
-        inputs=prompts(),
-        generation_config=config,
-        continuous_batching_config=ContinuousBatchingConfig(
-            block_size=8, num_blocks=48, max_batch_tokens=20
-        ),
-        progress_bar=False,
+    return greedy.generate_batch(
+        model, implementation, prompts(), steps, block_size=8, num_blocks=48, max_batch_tokens=20
     )
-    by_prompt = {tuple(o.prompt_ids): o.generated_tokens for o in outputs.values()}
-    return [by_prompt[tuple(p)] for p in prompts()]
 
 
 def generate_each_prompt_alone(model, implementation, steps=6):
-    model.set_attn_implementation(implementation)
-    tokens = []
-    for prompt in prompts():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, pad_token_id=0
-        )
-        tokens.append(out[0, len(prompt) :].tolist())
-    return tokens
+    return greedy.generate_each_prompt_alone(model, implementation, prompts(), steps)
 
 
 @needs_paged_cache_of_5_25

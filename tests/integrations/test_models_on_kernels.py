@@ -37,10 +37,11 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from packaging.version import Version  # noqa: E402
-from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 import astrai.integrations.transformers as astrai_transformers  # noqa: E402
+import tests.integrations.greedy as greedy  # noqa: E402
 from astrai.extension import PagedKVCache, attention, attn_backend, visibility  # noqa: E402
 
 astrai_transformers.register()
@@ -193,45 +194,28 @@ PROMPT_LENGTHS = (3, 17, 9, 26, 1, 40)
 
 
 def prompts(lengths=PROMPT_LENGTHS):
-    generator = torch.Generator().manual_seed(11)
-    return [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    return greedy.random_prompts(VOCAB, lengths)
 
 
 def generate_batch(model, implementation, steps=8):
     """Greedy tokens of every prompt through transformers' continuous batching: pages of 16, a
     small token budget (prompts prefilled in chunks, batches mixing prefill and decode), no CUDA
     graphs (so that every step's attention calls run, and are seen, from Python)."""
-    model.set_attn_implementation(implementation)
-    config = GenerationConfig(max_new_tokens=steps, do_sample=False, pad_token_id=0)
-    config.eos_token_id = None
-    outputs = model.generate_batch(
-        inputs=prompts(),
-        generation_config=config,
-        continuous_batching_config=ContinuousBatchingConfig(
-            block_size=16,
-            num_blocks=64,
-            max_batch_tokens=24,
-            use_cuda_graph=False,
-            use_async_batching=False,
-        ),
-        progress_bar=False,
+    return greedy.generate_batch(
+        model,
+        implementation,
+        prompts(),
+        steps,
+        block_size=16,
+        num_blocks=64,
+        max_batch_tokens=24,
+        use_cuda_graph=False,
+        use_async_batching=False,
     )
-    by_prompt = {tuple(o.prompt_ids): o.generated_tokens for o in outputs.values()}
-    return [by_prompt[tuple(p)] for p in prompts()]
 
 
 def generate_each_prompt_alone(model, implementation, steps=8):
-    model.set_attn_implementation(implementation)
-    tokens = []
-    for prompt in prompts():
-        out = model.generate(
-            torch.tensor([prompt], device=model.device),
-            max_new_tokens=steps,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        tokens.append(out[0, len(prompt) :].tolist())
-    return tokens
+    return greedy.generate_each_prompt_alone(model, implementation, prompts(), steps)
 
 
 def deepseek_v3_generate_batch_runs_every_layer_on(backend, monkeypatch):
