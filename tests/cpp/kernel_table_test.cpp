@@ -13,6 +13,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "config.h"
@@ -118,6 +119,17 @@ HeadDims parse_head_dims(const std::string& text) {
   return {std::stoi(text.substr(0, slash)), std::stoi(text.substr(slash + 1))};
 }
 
+// A batch column's "KEY=VALUE" items ("B=16 L=4096"), in order.
+std::vector<std::pair<std::string, int64_t>> batch_items(const std::string& batch) {
+  std::vector<std::pair<std::string, int64_t>> items;
+  for (const std::string& item : split(batch, ' ')) {
+    const size_t equals = item.find('=');
+    if (item.empty() || equals == std::string::npos) continue;
+    items.emplace_back(item.substr(0, equals), std::stoll(item.substr(equals + 1)));
+  }
+  return items;
+}
+
 // "B=16 L=4096 Hkv=32 Q=8": L is the block table's width in positions, Q a verify's new tokens
 // per sequence (its max_query_len).
 DecodeShape decode_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
@@ -127,11 +139,7 @@ DecodeShape decode_shape(const std::string& batch, HeadDims head_dims, bool fp8)
   shape.head_dim = head_dims.qk;
   shape.head_dim_v = head_dims.v;
   shape.kv_bytes = fp8 ? 1 : 2;
-  for (const std::string& item : split(batch, ' ')) {
-    const size_t equals = item.find('=');
-    if (item.empty() || equals == std::string::npos) continue;
-    const std::string key = item.substr(0, equals);
-    const int64_t value = std::stoll(item.substr(equals + 1));
+  for (const auto& [key, value] : batch_items(batch)) {
     if (key == "B") shape.num_seqs = static_cast<int>(value);
     if (key == "L") shape.block_table_positions = value;
     if (key == "Hq") shape.num_q_heads = static_cast<int>(value);
@@ -151,11 +159,7 @@ TopkShape topk_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
   shape.head_dim = head_dims.qk;
   shape.head_dim_v = head_dims.v;
   shape.kv_bytes = fp8 ? 1 : 2;
-  for (const std::string& item : split(batch, ' ')) {
-    const size_t equals = item.find('=');
-    if (item.empty() || equals == std::string::npos) continue;
-    const std::string key = item.substr(0, equals);
-    const int64_t value = std::stoll(item.substr(equals + 1));
+  for (const auto& [key, value] : batch_items(batch)) {
     if (key == "T") shape.num_tokens = value;
     if (key == "K") shape.topk = value;
     if (key == "Hq") shape.num_q_heads = static_cast<int>(value);
