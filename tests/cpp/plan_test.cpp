@@ -639,11 +639,20 @@ TEST(TopkPlan, Qk192WithV128HasTopkKernelsWhoseWorkspaceHoldsRowsOfVsHeadDim) {
   EXPECT_EQ(plan.error, "");
   ASSERT_GT(plan.num_splits, 1);
   EXPECT_EQ(plan.workspace_floats, static_cast<size_t>(plan.num_splits) * 1 * 32 * (128 + 1));
+}
+
+// D = 512 runs a block per chunk of 256 v columns (as its decode does), so a token fills the GPU
+// with fewer splits than D = 256 on the same entry tiles; its 216 KB block needs sm_90.
+TEST(TopkPlan, HeadDim512CountsItsColumnChunksAndNeedsSm90) {
+  if (!astr::kernels::paged_head_dim_built(512)) GTEST_SKIP() << "a development build";
   TopkShape gemma_global = topk_call(1, 2048, 512);
-  gemma_global.head_dim_v = 512;
-  EXPECT_EQ(topk_plan(gemma_global).error,
-            "topk_indices: the cuda top-k kernels take head dims 64, 96, 128, 192/128, 256 "
-            "(got 512)");
+  const TopkPlan plan = topk_plan(gemma_global);
+  ASSERT_EQ(plan.error, "");
+  EXPECT_LT(plan.num_splits, topk_plan(topk_call(1, 2048, 256)).num_splits);
+  EXPECT_EQ(plan.workspace_floats, static_cast<size_t>(plan.num_splits) * 1 * 32 * (512 + 1));
+  KernelTuning none;
+  EXPECT_EQ(astr::kernels::plan_paged_topk(gemma_global, a100(), none).error,
+            "top-k: head_dim 512 needs sm_90 or newer");
 }
 
 TEST(TopkPlan, TheTuningForcesASplitCountAndBatchInvariantModeSplitsBy16Tiles) {

@@ -326,21 +326,18 @@ TEST(CudaCapability, TakesHeadDim512AndQk192WithV128OnSm90) {
                        "unsupported head_dim 128 with v head_dim 64 (supported: "));
 }
 
-TEST(CudaCapability, TopkIndicesOnlyOnTheRowsWithTopkKernels) {
+TEST(CudaCapability, TopkIndicesOnEveryRowWithTopkKernels) {
   BackendStatus ok{true, "", 0};
   CallDescription call = paged_decode();
   call.topk = true;
   call.topk_entries = 64;
-  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
-  call.head_dim = 192;
-  call.head_dim_v = 128;
-  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
-  call.head_dim = call.head_dim_v = 512;
-  EXPECT_TRUE(mentions(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll),
-                       "topk_indices: the cuda top-k kernels take head dims 64, 96, 128, 192/128, "
-                       "256 (got 512)"));
-  call.topk = false;
-  EXPECT_TRUE(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty());
+  for (const astr::kernels::HeadDimForms& row : astr::kernels::kPagedHeadDims) {
+    if (!astr::kernels::paged_head_dim_built(row.head_dim)) continue;
+    call.head_dim = row.head_dim;
+    call.head_dim_v = row.head_dim_v;
+    EXPECT_EQ(rejection_reasons(Backend::kCuda, call, ok, Checks::kAll).empty(), row.topk)
+        << row.head_dim << "/" << row.head_dim_v;
+  }
 }
 
 TEST(ResolveBackend, PagedHeadDim512AndQk192WithV128RunOnCudaOnSm90) {

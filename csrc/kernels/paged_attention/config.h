@@ -36,9 +36,8 @@ namespace astr::kernels {
 //                        handed out longest first (prefill_persistent_kernel.cuh,
 //                        prefill_tile_scheduler.h; sm_90a builds): opt-in (prefill_kernel=
 //                        persistent) until a GPU has measured it
-//   topk                 the sparse top-k kernels (topk_attention_kernel.cuh): rows whose v
-//                        head dim is at most 256 (the decode's 4-warp block, v's columns in
-//                        one block)
+//   topk                 the sparse top-k kernels (topk_attention_kernel.cuh: the decode's
+//                        4-warp block, a block per chunk of v's columns as in the decode)
 // Where both prefills on wgmma could run, each head dim compiles the one measured faster
 // (benchmarks/results/decisions.md, "Prefill: which kernel runs"): the plan runs the compiled one.
 struct HeadDimForms {
@@ -62,7 +61,7 @@ inline constexpr HeadDimForms kPagedHeadDims[] = {
     {128, 128, true,  true,  true,  true,  true,  true,  true},
     {192, 128, false, false, false, false, false, false, true},
     {256, 256, false, false, false, false, true,  true,  true},
-    {512, 512, false, false, false, false, false, false, false},
+    {512, 512, false, false, false, false, false, false, true},
     // END HEAD DIMS
 };
 // clang-format on

@@ -472,6 +472,11 @@ TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
     plan.error = topk_head_dim_message(*forms);
     return plan;
   }
+  if (device.arch < paged_head_dim_min_arch(*forms)) {
+    plan.error = "top-k: head_dim " + std::to_string(shape.head_dim) + " needs sm_" +
+                 std::to_string(paged_head_dim_min_arch(*forms)) + " or newer";
+    return plan;
+  }
   if (shape.kv_bytes != 1 && shape.kv_bytes != 2) {
     plan.error = "top-k: a cache of 1- or 2-byte elements";
     return plan;
@@ -488,9 +493,11 @@ TopkPlan plan_paged_topk(const TopkShape& shape, const DeviceFacts& device,
   }
   const DecodeFootprint footprint =
       decode_footprint(forms->head_dim, forms->head_dim_v, shape.kv_bytes);
+  // A head dim of several v column chunks (512) runs a block per chunk of every item.
   const int64_t items =
       decode_items(static_cast<int>(std::min<int64_t>(shape.num_tokens, INT32_MAX)),
-                   shape.num_q_heads, shape.num_kv_heads);
+                   shape.num_q_heads, shape.num_kv_heads) *
+      footprint.v_chunks;
   const int64_t tiles = (shape.topk + footprint.tile_positions - 1) / footprint.tile_positions;
   if (shape.batch_invariant) {
     plan.split_tiles =

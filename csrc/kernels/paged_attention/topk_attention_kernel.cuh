@@ -183,23 +183,32 @@ __global__ void __launch_bounds__(kThreads)
 // entry): tile t of the block holds entries entry_begin + t * entry_step + row. lookup(tile) reads
 // the tile's positions and their page ids into registers a tile ahead; issue(tile, stage) starts
 // the copies (an entry of -1, or past the row, copies zeros) and marks in `seen` which rows of
-// the stage hold a key (one thread per row). Where V's rows have fewer chunks than K's (192, 128),
-// V's copies take rows of their own (KVTileLoader: kSameRows), each with its own entry.
+// the stage hold a key (one thread per row). Where V's rows have fewer chunks than K's (192, 128;
+// 512's chunks of 256 columns), V's copies take rows of their own (KVTileLoader: kSameRows), each
+// with its own entry. Where the traits keep page ids in a ring (D = 512: a position and a page id
+// for each of 48 copies a thread would spill), lookup has one thread per row write the row's
+// position and page id into the stage's slot of the ring instead, and the copies read them there.
 template <typename Traits, typename KV>
 struct ListedKeyTiles {
   using Copies = KVTileLoader<Traits, KV>;
   using VShape = typename Copies::VShape;
   static constexpr int D = Traits::kHeadDim;
   static constexpr int kTileN = Traits::kTileN;
-  static constexpr int kCopies = Copies::kCopies;
+  static constexpr bool kRing = Traits::kPageIdRing;
+  static constexpr int kCopies = kRing ? 1 : Copies::kCopies;
   static constexpr bool kSameRows = Copies::kSameRows;
-  static constexpr int kVCopies = kSameRows ? 1 : Copies::kVCopies;
+  static constexpr int kVCopies = kSameRows || kRing ? 1 : Copies::kVCopies;
+  // The ring: [kStages][2][kTileN] int32 (positions, then page ids), tile t in slot t % kStages,
+  // in the traits' page-id region (kPageIdSlots = 2 x kStages slots of kTileN ids).
+  static_assert(!kRing || (Traits::kPageIdSlots >= 2 * Traits::kStages && kTileN <= Traits::kThreads),
+                "top-k ring: a position and a page id per row of each stage, a thread per row");
 
   Copies copies;  // its source's kv range is unused: the rows come from the entries
   const int32_t* listed;
   const int32_t* block_table;
   int entry_begin, entry_end, entry_step;
   int32_t* seen;  // [kStages][kTileN] in shared memory: 1 where the row holds a key
+  int32_t* ring;  // kRing: see above
   int positions[kCopies];
   int pages[kCopies];
   int v_positions[kVCopies];  // V's own rows (kSameRows false)
@@ -208,31 +217,59 @@ struct ListedKeyTiles {
 
   __device__ __forceinline__ ListedKeyTiles(const KVTileSource& source, KV* k_stages, KV* v_stages,
                                             int tid, const int32_t* listed_row, int begin, int end,
-                                            int step, int32_t* seen_rows)
+                                            int step, int32_t* seen_rows, int32_t* id_ring)
       : copies(source, k_stages, v_stages, tid),
         listed(listed_row),
         block_table(source.block_table),
         entry_begin(begin),
         entry_end(end),
         entry_step(step),
-        seen(seen_rows) {}
+        seen(seen_rows),
+        ring(id_ring) {}
 
+  // The tile's positions and page ids: into registers, or (kRing) into its slot of the ring, read
+  // by every thread's copies after the next barrier of the block.
   __device__ __forceinline__ void lookup(int tile) {
     const int entry0 = entry_begin + tile * entry_step;
+    if constexpr (kRing) {
+      const int row = copies.thread;
+      if (row < kTileN) {
+        int32_t* slot = ring + (tile % Traits::kStages) * 2 * kTileN;
+        look_up_entry(entry0 + row, slot[row], slot[kTileN + row]);
+      }
+    } else {
 #pragma unroll
-    for (int i = 0; i < kCopies; ++i)
-      look_up_entry(entry0 + copies.copy_row(i), positions[i], pages[i]);
-    if constexpr (!kSameRows) {
+      for (int i = 0; i < kCopies; ++i)
+        look_up_entry(entry0 + copies.copy_row(i), positions[i], pages[i]);
+      if constexpr (!kSameRows) {
 #pragma unroll
-      for (int i = 0; i < kVCopies; ++i)
-        look_up_entry(entry0 + copies.v_copy_row(i), v_positions[i], v_pages[i]);
+        for (int i = 0; i < kVCopies; ++i)
+          look_up_entry(entry0 + copies.v_copy_row(i), v_positions[i], v_pages[i]);
+      }
     }
   }
-  __device__ __forceinline__ void look_up_entry(int entry, int& position, int& page) {
-    position = entry < entry_end ? listed[entry] : -1;
-    poisoned |= position == -2;
+  __device__ __forceinline__ void look_up_entry(int entry, int32_t& position, int32_t& page) {
+    const int32_t listed_position = entry < entry_end ? listed[entry] : -1;
+    poisoned |= listed_position == -2;
     // The listing pass checked the page ids of the positions it kept.
-    page = position >= 0 ? block_table[position >> copies.src.log2_page_size] : 0;
+    page = listed_position >= 0 ? block_table[listed_position >> copies.src.log2_page_size] : 0;
+    position = listed_position;
+  }
+  // Copy i's row's position and page id (V's rows: kV), from registers or the stage's ring slot.
+  template <bool kV>
+  __device__ __forceinline__ void row_entry(int i, int row, int stage, int& position,
+                                            int& page) const {
+    if constexpr (kRing) {
+      const int32_t* slot = ring + stage * 2 * kTileN;
+      position = slot[row];
+      page = slot[kTileN + row];
+    } else if constexpr (kV) {
+      position = v_positions[i];
+      page = v_pages[i];
+    } else {
+      position = positions[i];
+      page = pages[i];
+    }
   }
 
   __device__ __forceinline__ void issue(int stage) {
@@ -242,14 +279,16 @@ struct ListedKeyTiles {
     KV* v_dst = copies.v_smem + stage * VShape::kTileElements;
     if constexpr (!kSameRows) {  // V's own rows, then K's below
 #pragma unroll
-      for (int i = 0; i < kVCopies; ++i) {
+      for (int i = 0; i < Copies::kVCopies; ++i) {
         const int row = copies.v_copy_row(i);
         const int column = copies.v_copy_chunk(i, copies.thread);
-        const bool valid = v_positions[i] >= 0;
-        const int page = valid ? static_cast<int>(min(static_cast<unsigned>(v_pages[i]),
+        int position, row_page;
+        row_entry<true>(i, row, stage, position, row_page);
+        const bool valid = position >= 0;
+        const int page = valid ? static_cast<int>(min(static_cast<unsigned>(row_page),
                                                       static_cast<unsigned>(src.num_pages) - 1u))
                                : 0;
-        const int slot = valid ? v_positions[i] & page_mask : 0;
+        const int slot = valid ? position & page_mask : 0;
         const char* v_base = Copies::kVOneColumn ? copies.v_thread : copies.v_thread + column * 16;
         const char* v_src =
             v_base + ((int64_t)page * src.v_page_bytes + (int64_t)(slot * src.v_slot_bytes));
@@ -259,15 +298,17 @@ struct ListedKeyTiles {
       }
     }
 #pragma unroll
-    for (int i = 0; i < kCopies; ++i) {
+    for (int i = 0; i < Copies::kCopies; ++i) {
       const int row = copies.copy_row(i);
       const int column = copies.copy_chunk(i);
-      const bool valid = positions[i] >= 0;
+      int position, row_page;
+      row_entry<false>(i, row, stage, position, row_page);
+      const bool valid = position >= 0;
       // Clamped into the pool all the same: no value of the scratch makes a copy leave it.
-      const int page = valid ? static_cast<int>(min(static_cast<unsigned>(pages[i]),
+      const int page = valid ? static_cast<int>(min(static_cast<unsigned>(row_page),
                                                     static_cast<unsigned>(src.num_pages) - 1u))
                              : 0;
-      const int slot = valid ? positions[i] & page_mask : 0;
+      const int slot = valid ? position & page_mask : 0;
       const char* k_base = Copies::kOneColumn ? copies.k_thread : copies.k_thread + column * 16;
       const char* k_src =
           k_base + ((int64_t)page * src.k_page_bytes + (int64_t)(slot * src.k_slot_bytes));
@@ -284,17 +325,18 @@ struct ListedKeyTiles {
   }
 };
 
-// The attention kernel (see the top of the file). Grid: x = (token, kv head), y = row tiles of the
-// group, z = splits. kSoftcap, kE5M2: as the decode kernel's.
+// The attention kernel (see the top of the file). Grid: x = (token, kv head, v column chunk), the
+// chunks of a pair side by side as in the decode, y = row tiles of the group, z = splits.
+// kSoftcap, kE5M2: as the decode kernel's.
 template <typename Traits, typename T, typename KV, Softcap kSoftcap, bool kE5M2>
 __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm)
     paged_topk_kernel(const __grid_constant__ PagedKernelArgs args) {
-  static_assert(Traits::kDecode && Traits::kGroups == 1 && !Traits::kPageIdRing,
+  static_assert(Traits::kDecode && Traits::kGroups == 1 && Traits::kWarps == 4,
                 "the decode's 4-warp block");
-  static_assert(Traits::kVChunks == 1, "v's columns in one block (v head dims up to 256)");
   static_assert(sizeof(KV) == Traits::kKVBytes, "traits of this cache");
   constexpr int D = Traits::kHeadDim;    // q and k
-  constexpr int DV = Traits::kHeadDimV;  // v and the output
+  constexpr int DV = Traits::kVColumns;  // the block's chunk of v's (and the output's) columns
+  constexpr int kVChunks = Traits::kVChunks;
   constexpr int kChunks = Traits::kChunksPerRow;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kTileN = Traits::kTileN;
@@ -318,8 +360,10 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   if (args.num_splits > 1) allow_dependent_launch();
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int token = blockIdx.x / p.num_kv_heads;
-  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const int pair_index = static_cast<int>(blockIdx.x) / kVChunks;
+  const int v_column0 = (static_cast<int>(blockIdx.x) % kVChunks) * DV;
+  const int token = pair_index / p.num_kv_heads;
+  const int kv_head = pair_index % p.num_kv_heads;
   const int row0 = blockIdx.y * kBlockRows;
   const int split = blockIdx.z;
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -342,10 +386,11 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   const int num_tiles =
       entry_end > entry_begin ? (entry_end - entry_begin + entry_step - 1) / entry_step : 0;
 
-  const KVTileSource source = kv_tile_source<KV>(p, at.seq_index, kv_head, 0, 0, entry_step, 0);
+  const KVTileSource source = kv_tile_source<KV>(p, at.seq_index, kv_head, 0, 0, entry_step, 0, v_column0);
   ListedKeyTiles<Traits, KV> tiles(source, k_smem, v_smem, tid,
                                    args.listed_positions + static_cast<int64_t>(token) * p.topk,
-                                   entry_begin, entry_end, entry_step, seen);
+                                   entry_begin, entry_end, entry_step, seen,
+                                   reinterpret_cast<int32_t*>(v_smem + Traits::kVSmemElements));
 
   auto q_offset = [](int r, int ch) { return tile_offset<D, Traits::kSwizzle>(r, ch); };
   WarpSoftmaxState<Traits> state;
@@ -365,14 +410,24 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   // the token as the first new token of a one-token sequence).
   load_query_rows<T, kBlockRows, kChunks, kThreads>(p, q_smem, tid, token, row0, num_rows, group,
                                                     kv_head, q_offset);
-  // The decode's pipeline: every stage issued, empty or not, positions and pages a tile ahead.
+  // The decode's pipeline: every stage issued, empty or not, positions and pages a tile ahead
+  // (from the ring: every stage's looked up before a barrier, then issued).
+  if constexpr (ListedKeyTiles<Traits, KV>::kRing) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) tiles.lookup(s);
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    tiles.lookup(s);
+    if constexpr (!ListedKeyTiles<Traits, KV>::kRing) tiles.lookup(s);
     if (s < num_tiles) tiles.issue(s);
     tiles.copies.commit();
   }
-  tiles.lookup(kStages - 1);
+  if constexpr (ListedKeyTiles<Traits, KV>::kRing) {
+    __syncthreads();  // tile 0's slot is looked up again (tile kStages) in the first iteration
+  } else {
+    tiles.lookup(kStages - 1);
+  }
 
   const KvScales scales = kv_head_scales<Traits::kFp8>(p, kv_head);
   ScoreTransform transform = score_transform<kSoftcap>(p, args.scale_log2 * scales.k);
@@ -443,7 +498,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   for (int i = 0; i < MergedRows<Traits>::kItems; ++i) {
     const int row = row0 + MergedRows<Traits>::row(tid, i);
     if (row >= num_rows) continue;
-    const int c = MergedRows<Traits>::column(tid, i) * 4;
+    const int c = v_column0 + MergedRows<Traits>::column(tid, i) * 4;  // of the output row
     const float4 acc = merged.o[i];
     const float l = poison_sum(merged.l[i], poisoned);
     const int head = kv_head * group + row;
@@ -461,7 +516,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
       const FinishedRow finished = finish_row(merged.m[i], l, -INFINITY);
       const float inv = finished.inv * scales.v;
       const int64_t index = ((int64_t)split * p.num_tokens + token) * p.num_q_heads + head;
-      *reinterpret_cast<float4*>(args.partial_out + index * DV + c) =
+      *reinterpret_cast<float4*>(args.partial_out + index * Traits::kHeadDimV + c) =
           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
       if (c == 0) args.partial_lse[index] = finished.lse_log2;
     }
@@ -470,7 +525,7 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
 
 // The listing pass, the attention kernel on the plan's splits, the merge kernel after more than
 // one, and for a prefill the rows no sequence places for sure (query_rows.cuh) as NaN. D: q and
-// k's head dim, DV: v's (the decode's 4-warp block, traits.h).
+// k's head dim, DV: v's (the decode's 4-warp block, traits.h; a block per chunk of v's columns).
 template <int D, int DV, typename T, typename KV>
 LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream) {
   using Traits = DecodeTraits<D, sizeof(KV), DV>;
@@ -505,7 +560,7 @@ LaunchStatus run_paged_topk(const PagedKernelArgs& args, cudaStream_t stream) {
     if (p.kv_dtype == ScalarType::kFloat8E5M2) kernel = pick(std::true_type{});
   }
   const int group = p.num_q_heads / p.num_kv_heads;
-  const int64_t items = (int64_t)p.num_tokens * p.num_kv_heads;
+  const int64_t items = (int64_t)p.num_tokens * p.num_kv_heads * Traits::kVChunks;
   if (items > INT32_MAX) return {"top-k: too many tokens x kv heads for one launch"};
   const cudaError_t error = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kBlockSmemBytes);
