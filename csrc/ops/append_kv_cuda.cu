@@ -37,13 +37,11 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   const at::ScalarType dtype = k.scalar_type();
   ASTR_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat, "k: dtype ",
              dtype, " is not supported by the cuda append (bfloat16, float16, float32)");
-  // The kernel copies k and v rows of one size.
-  ASTR_CHECK(v.sizes() == k.sizes(), "v: shape ", v.sizes(), " must equal k's ", k.sizes(),
-             " on CUDA (the cuda append copies k and v rows of one head_dim)");
   ASTR_CHECK(slot_mapping.is_contiguous(), "slot_mapping: expected a contiguous tensor");
   const int element_size = static_cast<int>(k.element_size());
-  ASTR_CHECK((k.size(2) * element_size) % 16 == 0, "k: head_dim ", k.size(2),
-             " times the element size must be a multiple of 16 bytes for the cuda append");
+  for (auto [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
+    ASTR_CHECK((t->size(2) * element_size) % 16 == 0, name, ": head_dim ", t->size(2),
+               " times the element size must be a multiple of 16 bytes for the cuda append");
   check_rows(k, "k", element_size);
   check_rows(v, "v", element_size);
   const int pool_element_size = static_cast<int>(k_cache.element_size());
@@ -52,8 +50,9 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   if (fp8) {
     for (auto [scale, name] : {std::pair{&*k_scale, "k_scale"}, std::pair{&*v_scale, "v_scale"}})
       ASTR_CHECK(scale->is_contiguous(), name, ": expected a contiguous tensor");
-    ASTR_CHECK((k.size(2) * pool_element_size) % 16 == 0, "k: head_dim ", k.size(2),
-               " must be a multiple of 16 for an FP8 pool (16-byte rows)");
+    for (auto [t, name] : {std::pair{&k, "k"}, std::pair{&v, "v"}})
+      ASTR_CHECK((t->size(2) * pool_element_size) % 16 == 0, name, ": head_dim ", t->size(2),
+                 " must be a multiple of 16 for an FP8 pool (16-byte rows)");
   }
   ASTR_CHECK(k.size(0) <= INT32_MAX, "k: ", k.size(0),
              " tokens is more than one cuda append takes");
@@ -80,6 +79,7 @@ void append_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at
   params.num_tokens = static_cast<int>(k.size(0));
   params.num_kv_heads = static_cast<int>(k.size(1));
   params.head_dim = static_cast<int>(k.size(2));
+  params.head_dim_v = static_cast<int>(v.size(2));
   params.page_size = static_cast<int>(k_cache.size(1));
   params.num_pages = k_cache.size(0);
   params.dtype = scalar_type_of(dtype);

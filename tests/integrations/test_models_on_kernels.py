@@ -170,13 +170,17 @@ class RecordedRanges:
             logger.setLevel(level)
             self._hook.remove()
 
+    def _brackets(self) -> List[str]:
+        """What each name holds between its brackets: ``cuda:decode/split x1``, ``torch_native``."""
+        return [name[len("astr::attention[") :].rstrip("]") for name in self.names]
+
     def backends(self) -> set:
         """``{"cuda"}``, ``{"torch_native"}``, ...: the backends of the calls."""
-        return {name[len("astr::attention[") :].split(":")[0].rstrip("]") for name in self.names}
+        return {inside.split(":")[0] for inside in self._brackets()}
 
     def kernels(self) -> set:
         """The cuda kernel forms of the calls (``decode/split x1``, ``topk/split x4``)."""
-        return {name.split(":", 1)[1].rstrip("]") for name in self.names if ":" in name}
+        return {inside.split(":", 1)[1] for inside in self._brackets() if ":" in inside}
 
     def assert_every_layer_of_every_step_ran_on(self, backend: str, layers: int) -> None:
         assert self.forwards > 0

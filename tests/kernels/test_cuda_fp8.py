@@ -341,12 +341,13 @@ def test_fp8_decode_under_cuda_graph_replay_with_growing_lengths():
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fp8_append_stores_the_values_torch_would(fp8, dtype):
+@pytest.mark.parametrize("d,dv", [(64, 64), (192, 128)], ids=["64", "192v128"])
+def test_fp8_append_stores_the_values_torch_would(fp8, dtype, d, dv):
     g = torch.Generator(device="cuda").manual_seed(13)
-    pool = torch.zeros(8, 16, 4, 64, dtype=fp8, device="cuda")
-    v_pool = torch.zeros_like(pool)
-    k = torch.randn(20, 4, 64, generator=g, device="cuda").to(dtype) * 50
-    v = torch.randn(20, 4, 64, generator=g, device="cuda").to(dtype)
+    pool = torch.zeros(8, 16, 4, d, dtype=fp8, device="cuda")
+    v_pool = torch.zeros(8, 16, 4, dv, dtype=fp8, device="cuda")
+    k = torch.randn(20, 4, d, generator=g, device="cuda").to(dtype) * 50
+    v = torch.randn(20, 4, dv, generator=g, device="cuda").to(dtype)
     k[3, 0, :3] = torch.tensor([1e6, -1e6, float("nan")])
     k_scale = torch.rand(4, generator=g, device="cuda") + 0.1
     v_scale = torch.rand(4, generator=g, device="cuda") + 0.1
@@ -356,8 +357,8 @@ def test_fp8_append_stores_the_values_torch_would(fp8, dtype):
     keep = slots >= 0
     expect_k = quantize(k, k_scale, fp8)[keep]
     expect_v = quantize(v, v_scale, fp8)[keep]
-    got_k = pool.view(-1, 4, 64)[slots[keep].long()]
-    got_v = v_pool.view(-1, 4, 64)[slots[keep].long()]
+    got_k = pool.view(-1, 4, d)[slots[keep].long()]
+    got_v = v_pool.view(-1, 4, dv)[slots[keep].long()]
     assert torch.equal(got_k.view(torch.uint8), expect_k.view(torch.uint8))
     assert torch.equal(got_v.view(torch.uint8), expect_v.view(torch.uint8))
 

@@ -676,25 +676,28 @@ def test_decode_cuda_graph_replay_with_growing_lengths(splits, merge, tuning):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("page_size", [1, 16, 256])
-def test_append_kv_writes_slots_and_skips_negative(dtype, page_size):
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)], ids=["128", "192v128"])
+def test_append_kv_writes_slots_and_skips_negative(dtype, page_size, d, dv):
+    """Every kept token's k and v rows land in their slot (v's head dim its own where it
+    differs: DeepSeek's MHA form); nothing else changes."""
     g = torch.Generator(device="cuda").manual_seed(page_size)
-    hkv, d, t = 4, 128, 300
+    hkv, t = 4, 300
     pages = max(40, 2 * t // page_size)  # more slots than tokens
     k_cache = torch.randn(pages, page_size, hkv, d, device="cuda", dtype=dtype, generator=g)
-    v_cache = torch.randn_like(k_cache)
+    v_cache = torch.randn(pages, page_size, hkv, dv, device="cuda", dtype=dtype, generator=g)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     k = torch.randn(t, hkv, d, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(t, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(t, hkv, dv, device="cuda", dtype=dtype, generator=g)
     slots = torch.randperm(pages * page_size, device="cuda", generator=g)[:t].int()
     slots[::7] = -1
     torch.ops.astr.append_kv(k, v, k_cache, v_cache, slots)
     expected_k = k_before.view(-1, hkv, d).clone()
-    expected_v = v_before.view(-1, hkv, d).clone()
+    expected_v = v_before.view(-1, hkv, dv).clone()
     keep = slots >= 0
     expected_k[slots[keep].long()] = k[keep]
     expected_v[slots[keep].long()] = v[keep]
     assert torch.equal(k_cache.view(-1, hkv, d), expected_k)
-    assert torch.equal(v_cache.view(-1, hkv, d), expected_v)
+    assert torch.equal(v_cache.view(-1, hkv, dv), expected_v)
 
 
 def test_append_then_decode_round_trip():

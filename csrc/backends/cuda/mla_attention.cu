@@ -155,7 +155,8 @@ std::string cuda_mla_plan(const at::Tensor& q_nope ASTR_MLA_ATTENTION_PARAMS) {
   const MlaAttentionArgs args(q_nope ASTR_MLA_ATTENTION_FORWARDED, /*return_lse=*/false);
   check_cuda_mla_call(args);
   const c10::cuda::CUDAGuard guard(q_nope.device());
-  const at::Tensor out = at::empty({0}, q_nope.options());
+  // An output of no tokens in the call's layout: the params read its strides.
+  const at::Tensor out = at::empty({0, q_nope.size(1), q_nope.size(2)}, q_nope.options());
   const kernels::MlaPlan plan = mla_plan(args, mla_params(args, out, at::Tensor()));
   return plan.error.empty() ? kernels::describe_plan(plan) : plan.error;
 }

@@ -4,6 +4,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "kv_cache.h"
 
 namespace astr::kernels {
@@ -11,9 +13,11 @@ namespace astr::kernels {
 namespace {
 
 // One thread per 16-byte chunk of one (token, head) row of k and of v: consecutive threads take
-// consecutive chunks of a row, so a warp reads and writes whole contiguous rows.
+// consecutive chunks of a row, so a warp reads and writes whole contiguous rows. Where v's rows are
+// narrower (k_chunks > v_chunks), the chunks past v's copy k's only.
 __global__ void append_kv_kernel(const __grid_constant__ AppendKVParams p, int element_size,
-                                 int chunks_per_row) {
+                                 int k_chunks, int v_chunks) {
+  const int chunks_per_row = max(k_chunks, v_chunks);
   const int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t total = (int64_t)p.num_tokens * p.num_kv_heads * chunks_per_row;
   if (item >= total) return;
@@ -40,10 +44,10 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendKVParams p, int e
                  head * p.v_cache_stride_head) *
                     element_size +
                 byte;
-  const uint4 k_value = __ldg(reinterpret_cast<const uint4*>(k_src));
-  const uint4 v_value = __ldg(reinterpret_cast<const uint4*>(v_src));
-  *reinterpret_cast<uint4*>(k_dst) = k_value;
-  *reinterpret_cast<uint4*>(v_dst) = v_value;
+  if (chunk < k_chunks)
+    *reinterpret_cast<uint4*>(k_dst) = __ldg(reinterpret_cast<const uint4*>(k_src));
+  if (chunk < v_chunks)
+    *reinterpret_cast<uint4*>(v_dst) = __ldg(reinterpret_cast<const uint4*>(v_src));
 }
 
 // FP8 pools: one thread per 16 bytes of a (token, head) row of k and of v (16 / sizeof(T)
@@ -56,8 +60,10 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ float to_float(float x) { return x; }
 
 template <typename T, __nv_fp8_interpretation_t kFormat>
-__global__ void append_kv_fp8_kernel(const __grid_constant__ AppendKVParams p, int chunks_per_row) {
+__global__ void append_kv_fp8_kernel(const __grid_constant__ AppendKVParams p, int k_chunks,
+                                     int v_chunks) {
   constexpr int kPerChunk = 16 / sizeof(T);
+  const int chunks_per_row = max(k_chunks, v_chunks);
   const int64_t item = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int64_t total = (int64_t)p.num_tokens * p.num_kv_heads * chunks_per_row;
   if (item >= total) return;
@@ -72,6 +78,7 @@ __global__ void append_kv_fp8_kernel(const __grid_constant__ AppendKVParams p, i
   const int64_t column = (int64_t)chunk * kPerChunk;
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
+    if (chunk >= (which == 0 ? k_chunks : v_chunks)) continue;  // past v's narrower row
     const T* src = static_cast<const T*>(which == 0 ? p.k : p.v) +
                    token * (which == 0 ? p.k_stride_token : p.v_stride_token) +
                    head * (which == 0 ? p.k_stride_head : p.v_stride_head) + column;
@@ -95,18 +102,18 @@ __global__ void append_kv_fp8_kernel(const __grid_constant__ AppendKVParams p, i
 }
 
 template <__nv_fp8_interpretation_t kFormat>
-LaunchStatus launch_fp8(const AppendKVParams& p, int chunks_per_row, unsigned blocks, int threads,
-                        cudaStream_t stream) {
+LaunchStatus launch_fp8(const AppendKVParams& p, int k_chunks, int v_chunks, unsigned blocks,
+                        int threads, cudaStream_t stream) {
   switch (p.dtype) {
     case ScalarType::kBFloat16:
       append_kv_fp8_kernel<__nv_bfloat16, kFormat>
-          <<<blocks, threads, 0, stream>>>(p, chunks_per_row);
+          <<<blocks, threads, 0, stream>>>(p, k_chunks, v_chunks);
       break;
     case ScalarType::kFloat16:
-      append_kv_fp8_kernel<__half, kFormat><<<blocks, threads, 0, stream>>>(p, chunks_per_row);
+      append_kv_fp8_kernel<__half, kFormat><<<blocks, threads, 0, stream>>>(p, k_chunks, v_chunks);
       break;
     case ScalarType::kFloat32:
-      append_kv_fp8_kernel<float, kFormat><<<blocks, threads, 0, stream>>>(p, chunks_per_row);
+      append_kv_fp8_kernel<float, kFormat><<<blocks, threads, 0, stream>>>(p, k_chunks, v_chunks);
       break;
     default:
       return {"append_kv: an FP8 pool takes bfloat16, float16 or float32 tokens"};
@@ -119,12 +126,16 @@ LaunchStatus launch_fp8(const AppendKVParams& p, int chunks_per_row, unsigned bl
 LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream) {
   const int element_size = element_bytes(params.dtype);
   if (element_size == 0) return {"append_kv: unsupported dtype"};
-  const int row_bytes = params.head_dim * element_size;
-  if (row_bytes % 16 != 0)
+  // An FP8 pool's thread converts 16 bytes of the input into 16 / element size bytes: chunks count
+  // the same either way.
+  const int k_row_bytes = params.head_dim * element_size;
+  const int v_row_bytes = params.head_dim_v * element_size;
+  if (k_row_bytes % 16 != 0 || v_row_bytes % 16 != 0 || params.head_dim_v <= 0)
     return {"append_kv: head_dim * element size must be a multiple of 16 bytes"};
   if (params.page_size <= 0) return {"append_kv: page size must be positive"};
   if (params.num_tokens == 0 || params.num_kv_heads == 0) return {};
-  const int chunks_per_row = row_bytes / 16;
+  const int k_chunks = k_row_bytes / 16, v_chunks = v_row_bytes / 16;
+  const int chunks_per_row = std::max(k_chunks, v_chunks);
   const int64_t total = (int64_t)params.num_tokens * params.num_kv_heads * chunks_per_row;
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
@@ -133,13 +144,13 @@ LaunchStatus launch_append_kv(const AppendKVParams& params, cudaStream_t stream)
     if (params.k_scale == nullptr || params.v_scale == nullptr)
       return {"append_kv: an FP8 pool needs k_scale and v_scale"};
     return params.cache_dtype == ScalarType::kFloat8E4M3
-               ? launch_fp8<__NV_E4M3>(params, chunks_per_row, static_cast<unsigned>(blocks),
+               ? launch_fp8<__NV_E4M3>(params, k_chunks, v_chunks, static_cast<unsigned>(blocks),
                                        threads, stream)
-               : launch_fp8<__NV_E5M2>(params, chunks_per_row, static_cast<unsigned>(blocks),
+               : launch_fp8<__NV_E5M2>(params, k_chunks, v_chunks, static_cast<unsigned>(blocks),
                                        threads, stream);
   }
   append_kv_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(params, element_size,
-                                                                          chunks_per_row);
+                                                                          k_chunks, v_chunks);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return {std::string("append_kv_kernel: ") + cudaGetErrorString(error)};
   return {};

@@ -18,9 +18,9 @@ namespace astr::kernels {
 // cast after the clamp).
 struct AppendKVParams {
   const void* k;                // [T, Hkv, D], last dim contiguous
-  const void* v;                // [T, Hkv, D], last dim contiguous
+  const void* v;                // [T, Hkv, DV], last dim contiguous
   void* k_cache;                // [P, S, Hkv, D], last dim contiguous
-  void* v_cache;                // [P, S, Hkv, D], last dim contiguous
+  void* v_cache;                // [P, S, Hkv, DV], last dim contiguous
   const int32_t* slot_mapping;  // [T] int32, page * S + offset; negative = skip the token
   int64_t k_stride_token;       // elements between k[t] and k[t + 1]
   int64_t k_stride_head;        // elements between k[t, h] and k[t, h + 1]
@@ -35,6 +35,7 @@ struct AppendKVParams {
   int num_tokens;          // T
   int num_kv_heads;        // Hkv
   int head_dim;            // D; D * element size must be a multiple of 16 bytes
+  int head_dim_v;          // DV (DeepSeek's MHA form: 128 beside D = 192), the same rule
   int page_size;           // S (any positive value works here)
   int64_t num_pages;       // P
   ScalarType dtype;        // of k and v

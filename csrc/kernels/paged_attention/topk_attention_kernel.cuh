@@ -200,7 +200,8 @@ struct ListedKeyTiles {
   static constexpr int kVCopies = kSameRows || kRing ? 1 : Copies::kVCopies;
   // The ring: [kStages][2][kTileN] int32 (positions, then page ids), tile t in slot t % kStages,
   // in the traits' page-id region (kPageIdSlots = 2 x kStages slots of kTileN ids).
-  static_assert(!kRing || (Traits::kPageIdSlots >= 2 * Traits::kStages && kTileN <= Traits::kThreads),
+  static_assert(!kRing ||
+                    (Traits::kPageIdSlots >= 2 * Traits::kStages && kTileN <= Traits::kThreads),
                 "top-k ring: a position and a page id per row of each stage, a thread per row");
 
   Copies copies;  // its source's kv range is unused: the rows come from the entries
@@ -386,7 +387,8 @@ __global__ void __launch_bounds__(Traits::kBlockThreads, Traits::kMinBlocksPerSm
   const int num_tiles =
       entry_end > entry_begin ? (entry_end - entry_begin + entry_step - 1) / entry_step : 0;
 
-  const KVTileSource source = kv_tile_source<KV>(p, at.seq_index, kv_head, 0, 0, entry_step, 0, v_column0);
+  const KVTileSource source =
+      kv_tile_source<KV>(p, at.seq_index, kv_head, 0, 0, entry_step, 0, v_column0);
   ListedKeyTiles<Traits, KV> tiles(source, k_smem, v_smem, tid,
                                    args.listed_positions + static_cast<int64_t>(token) * p.topk,
                                    entry_begin, entry_end, entry_step, seen,
