@@ -79,8 +79,8 @@ class LatentAttention(nn.Module):
     def forward(
         self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs
     ):
-        # attention_mask: the latent cache's step places each token in its sequence and makes it
-        # causal there, which is all the model's mask over a packed row says.
+        # attention_mask: built by the model from no mask of the caller's (latent_attention's
+        # hook refuses one), so it says nothing the step's per-sequence causal placement does not.
         if cache is not None:
             raise NotImplementedError(
                 "cache: LatentAttention keeps each layer's latent in the PagedLatentCache it "
@@ -171,13 +171,27 @@ def latent_attention(
             f"{config.qk_rope_head_dim}"
         )
     serving = LatentServing(cache, backend)
+    hook = model.model.register_forward_pre_hook(_refuse_a_callers_mask, with_kwargs=True)
     try:
         for layer, attention in zip(layers, originals):
             layer.self_attn = LatentAttention(attention, serving)
         yield serving
     finally:
+        hook.remove()
         for layer, attention in zip(layers, originals):
             layer.self_attn = attention
+
+
+def _refuse_a_callers_mask(module, args, kwargs):
+    """A caller's ``attention_mask`` (padding, say) is refused, not ignored: the cache's step
+    (``begin_step``) is what tells the packed row's sequences apart."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if mask is not None:
+        raise NotImplementedError(
+            "attention_mask: LatentAttention does not read a mask; each token's sequence and "
+            "causal place come from the latent cache's begin_step (pack the sequences into one "
+            "row, without padding, and pass attention_mask=None)"
+        )
 
 
 def latent_cache_for(

@@ -103,6 +103,13 @@ def test_a_keyword_latent_attention_cannot_honour_raises_naming_it():
             model(input_ids=ids, position_ids=positions, use_cache=False, indices=positions)
         with pytest.raises(NotImplementedError, match="cache: LatentAttention keeps"):
             model(input_ids=ids, position_ids=positions, use_cache=True)
+        with pytest.raises(NotImplementedError, match="attention_mask: LatentAttention does"):
+            padded = torch.ones_like(ids)
+            padded[0, 0] = 0
+            model(input_ids=ids, attention_mask=padded, position_ids=positions, use_cache=False)
+        # A refused call wrote nothing; the same step still serves.
+        assert cache.seq_len(0) == len(PROMPTS[0])
+        model(input_ids=ids, position_ids=positions, use_cache=False)
 
 
 def test_a_cache_of_the_wrong_shape_is_refused():
