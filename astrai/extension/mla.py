@@ -30,40 +30,26 @@ import torch
 from .backend.attention import Decision
 from .selection import BackendSpec, observe
 
-# The op's positional parameters, in its order; is_causal, backend, ckv_scale and return_lse follow
-# as keywords (csrc/ops/mla_attention_args.h).
-_POSITIONAL = (
-    "q_nope",
-    "q_rope",
-    "ckv_cache",
-    "krope_cache",
-    "block_table",
-    "seq_lens",
-    "query_start_loc",
-    "max_query_len",
-    "mode",
-    "scale",
-)
 
-
-def _op_arguments(call: dict) -> tuple:
+def _op_arguments(positional: tuple, is_causal, backend, ckv_scale, return_lse) -> tuple:
     """(positional, keyword) arguments of the op for one call of ``mla_attention`` or
-    ``explain_mla`` (which take the same parameters; ``call``: them by name); the selection is
-    what the call observed (``astrai.extension.selection``), handed over as the op's typed
-    arguments."""
-    selection = observe(call["backend"])
+    ``explain_mla`` (which take the same parameters, the op's positional ones first, in its
+    order; is_causal, backend, ckv_scale and return_lse follow as keywords:
+    csrc/ops/mla_attention_args.h); the selection is what the call observed
+    (``astrai.extension.selection``), handed over as the op's typed arguments. (Parameters named
+    here, not gathered by ``locals()``, which dynamo cannot trace.)"""
+    selection = observe(backend)
     if selection.python_backend is not None:
         raise ValueError(
             f"{type(selection.python_backend).__name__} is written in Python: mla_attention "
             "runs only on the built-in backends (cuda, torch_native)"
         )
-    positional = tuple(call[name] for name in _POSITIONAL)
     keywords = dict(selection.op_args)
-    if not call["is_causal"]:
+    if not is_causal:
         keywords["is_causal"] = False
-    if call["ckv_scale"] is not None:
-        keywords["ckv_scale"] = call["ckv_scale"]
-    if call["return_lse"]:
+    if ckv_scale is not None:
+        keywords["ckv_scale"] = ckv_scale
+    if return_lse:
         keywords["return_lse"] = True
     return positional, keywords
 
@@ -87,8 +73,14 @@ def mla_attention(
     """Latent attention over a paged latent cache (module docstring). Returns out ``[T, H, Dc]``
     in q's dtype, or ``(out, lse)`` with ``return_lse``: lse float32 ``[T, H]``, the natural log
     of each row's softmax denominator (-inf for a row that sees no position, whose out is 0)."""
-    # locals() here is exactly the call's parameters, by name.
-    positional, keywords = _op_arguments(locals())
+    positional, keywords = _op_arguments(
+        (q_nope, q_rope, ckv_cache, krope_cache, block_table, seq_lens, query_start_loc)
+        + (max_query_len, mode, scale),
+        is_causal,
+        backend,
+        ckv_scale,
+        return_lse,
+    )
     return torch.ops.astr.mla_attention(*positional, **keywords)
 
 
@@ -109,6 +101,12 @@ def explain_mla(
     return_lse: bool = False,
 ) -> Decision:
     """The resolver's decision for an ``mla_attention`` call, without running it."""
-    # locals() here is exactly the call's parameters, by name.
-    positional, keywords = _op_arguments(locals())
+    positional, keywords = _op_arguments(
+        (q_nope, q_rope, ckv_cache, krope_cache, block_table, seq_lens, query_start_loc)
+        + (max_query_len, mode, scale),
+        is_causal,
+        backend,
+        ckv_scale,
+        return_lse,
+    )
     return Decision.from_json(torch.ops.astr.explain_mla(*positional, **keywords))

@@ -286,17 +286,19 @@ def test_the_cuda_append_writes_what_the_cpu_append_writes(ckv_dtype, fp8):
         return ckv_cache.cpu(), krope_cache.cpu()
 
     cpu, gpu = append("cpu"), append("cuda")
-    # The same bytes, but for the sign of a NaN (the NaN entry: torch's CPU conversion writes
-    # 0x7f, the device's 0xff), which carries no value.
-    nan_cpu, nan_gpu = cpu[0].float().isnan(), gpu[0].float().isnan()
-    assert torch.equal(nan_cpu, nan_gpu)
-    assert torch.equal(cpu[0].view(torch.uint8)[~nan_cpu], gpu[0].view(torch.uint8)[~nan_gpu])
+    assert same_bits_but_nan_signs(cpu[0], gpu[0])
     assert torch.equal(cpu[1], gpu[1])
     if fp8:
         expected = quantize_latent(ckv[[0, 1]], scale)
-        assert torch.equal(
-            gpu[0].view(12, 512)[[5, 0]].view(torch.uint8), expected.view(torch.uint8)
-        )
+        assert same_bits_but_nan_signs(gpu[0].view(12, 512)[[5, 0]], expected)
+
+
+def same_bits_but_nan_signs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same elements bit for bit, but for the sign of a NaN, which carries no value (torch's
+    CPU conversion and the device's write NaN with different signs)."""
+    nan_a, nan_b = a.float().isnan(), b.float().isnan()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(nan_a, nan_b) and torch.equal(a.view(bits)[~nan_a], b.view(bits)[~nan_b])
 
 
 def test_cuda_mla_attention_passes_opcheck():
