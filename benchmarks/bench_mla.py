@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness  # noqa: E402
 
-import astrai  # noqa: E402,F401  (loads the library)
+import astrai.extension  # noqa: E402,F401  (loads the library)
 
 LATENT, ROPE, PAGE = 512, 64, 64
 QK_NOPE, V_HEAD = 128, 128  # DeepSeek-V3's decompressed heads: K 128 + 64, V 128
