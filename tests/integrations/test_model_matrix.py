@@ -34,50 +34,14 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 import astrai.integrations.transformers as astrai_transformers  # noqa: E402
 import tests.integrations.greedy as greedy  # noqa: E402
 from astrai.extension import attention  # noqa: E402
+from tests.integrations.tiny_configs import TINY, VOCAB, deepseek  # noqa: E402
 
 astrai_transformers.register()
 
-VOCAB = 128
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    # Weights large enough that attention is sharp: every feature then moves the logits by far
-    # more than float32's disagreement between two correct implementations (1e-6 here).
-    initializer_range=0.2,
-)
 # DeepSeek's multi-head latent attention in its decompressed form: q/k head dim 24 (16 + 8
-# rope), v head dim 12; YaRN's mscale makes the module's scaling differ from 1/sqrt(24).
-YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-    "rope_theta": 10000.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-}
-MLA = dict(
-    rope_parameters=YARN,
-    kv_lora_rank=16,
-    q_lora_rank=24,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=12,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    n_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-    num_key_value_heads=4,
+# rope), v head dim 12.
+MLA = deepseek(
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12
 )
 DSA = dict(MLA, index_topk=4, index_head_dim=16, index_n_heads=2)  # sparse: 4 keys per query
 SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]

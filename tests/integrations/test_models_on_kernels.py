@@ -43,6 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 import astrai.integrations.transformers as astrai_transformers  # noqa: E402
 import tests.integrations.greedy as greedy  # noqa: E402
 from astrai.extension import PagedKVCache, attention, attn_backend, visibility  # noqa: E402
+from tests.integrations.tiny_configs import TINY, VOCAB, deepseek  # noqa: E402
 
 astrai_transformers.register()
 
@@ -53,46 +54,10 @@ needs_transformers_5_25 = pytest.mark.skipif(
 )
 pytestmark = needs_transformers_5_25
 
-VOCAB = 128
-TINY = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    initializer_range=0.2,  # sharp attention: each feature moves the logits well past bf16's error
-)
 # DeepSeek's multi-head latent attention, decompressed: q/k head dim 128 + 64 = 192, v 128 (the
-# cuda kernels' row 192/128); YaRN's mscale makes the module's scaling differ from 1/sqrt(192).
-MLA = dict(
-    rope_parameters={
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 64,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "rope_theta": 10000.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-    },
-    kv_lora_rank=32,
-    q_lora_rank=48,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    n_routed_experts=4,
-    # Every expert on every token: a top-2 routing would turn two backends' bf16 rounding into a
-    # different expert for a token (a logits difference no attention tolerance covers).
-    num_experts_per_tok=4,
-    moe_intermediate_size=32,
-    n_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-    num_key_value_heads=4,
+# cuda kernels' row 192/128).
+MLA = deepseek(
+    kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128
 )
 # DeepSeek V3.2's sparse attention: 8 keys per query token, far fewer than a prompt's.
 DSA = dict(MLA, index_topk=8, index_head_dim=128, index_n_heads=2)
