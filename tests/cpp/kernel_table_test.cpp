@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "config.h"
+#include "device_facts.h"
 #include "plan.h"
 
 namespace {
@@ -28,6 +29,8 @@ using astr::kernels::KernelTuning;
 using astr::kernels::kFp8ScratchLimitBytes;
 using astr::kernels::PrefillPlan;
 using astr::kernels::TopkShape;
+using astr::kernels::testing::sm80_facts;
+using astr::kernels::testing::sm90_facts;
 
 constexpr char kBegin[] = "<!-- kernel table begin -->";
 constexpr char kEnd[] = "<!-- kernel table end -->";
@@ -90,22 +93,14 @@ std::vector<Row> table_rows(bool batch_invariant) {
 }
 
 DeviceFacts device_of(const std::string& gpu) {
-  DeviceFacts facts;
   if (gpu.find("sm_90") != std::string::npos) {
-    facts.arch = 90;
-    facts.num_sms = 132;
-    facts.max_smem_per_block = 227 * 1024;
-    facts.max_smem_per_sm = 228 * 1024;
+    DeviceFacts facts = sm90_facts();
     facts.l2_cache_bytes = int64_t{50} << 20;
-    facts.has_sm90a_code = true;
-  } else {
-    EXPECT_NE(gpu.find("sm_80"), std::string::npos) << "GPU column: " << gpu;
-    facts.arch = 80;
-    facts.num_sms = 108;
-    facts.max_smem_per_block = 163 * 1024;
-    facts.max_smem_per_sm = 164 * 1024;
-    facts.l2_cache_bytes = int64_t{40} << 20;
+    return facts;
   }
+  EXPECT_NE(gpu.find("sm_80"), std::string::npos) << "GPU column: " << gpu;
+  DeviceFacts facts = sm80_facts();
+  facts.l2_cache_bytes = int64_t{40} << 20;
   return facts;
 }
 
@@ -130,20 +125,30 @@ std::vector<std::pair<std::string, int64_t>> batch_items(const std::string& batc
   return items;
 }
 
-// "B=16 L=4096 Hkv=32 Q=8": L is the block table's width in positions, Q a verify's new tokens
-// per sequence (its max_query_len).
-DecodeShape decode_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
-  DecodeShape shape;
+// What a decode and a top-k row share: GQA 32/8 unless the row says "Hq=" or "Hkv=", the head
+// dims of the column and the cache's element size.
+template <typename Shape>
+Shape table_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
+  Shape shape;
   shape.num_q_heads = 32;
   shape.num_kv_heads = 8;
   shape.head_dim = head_dims.qk;
   shape.head_dim_v = head_dims.v;
   shape.kv_bytes = fp8 ? 1 : 2;
   for (const auto& [key, value] : batch_items(batch)) {
-    if (key == "B") shape.num_seqs = static_cast<int>(value);
-    if (key == "L") shape.block_table_positions = value;
     if (key == "Hq") shape.num_q_heads = static_cast<int>(value);
     if (key == "Hkv") shape.num_kv_heads = static_cast<int>(value);
+  }
+  return shape;
+}
+
+// "B=16 L=4096 Hkv=32 Q=8": L is the block table's width in positions, Q a verify's new tokens
+// per sequence (its max_query_len).
+DecodeShape decode_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
+  DecodeShape shape = table_shape<DecodeShape>(batch, head_dims, fp8);
+  for (const auto& [key, value] : batch_items(batch)) {
+    if (key == "B") shape.num_seqs = static_cast<int>(value);
+    if (key == "L") shape.block_table_positions = value;
     if (key == "Q") shape.query_len = static_cast<int>(value);
   }
   if (shape.query_len > 0)
@@ -153,17 +158,10 @@ DecodeShape decode_shape(const std::string& batch, HeadDims head_dims, bool fp8)
 
 // "T=1 K=2048 Hkv=8": T query tokens of a top-k call, K entries each.
 TopkShape topk_shape(const std::string& batch, HeadDims head_dims, bool fp8) {
-  TopkShape shape;
-  shape.num_q_heads = 32;
-  shape.num_kv_heads = 8;
-  shape.head_dim = head_dims.qk;
-  shape.head_dim_v = head_dims.v;
-  shape.kv_bytes = fp8 ? 1 : 2;
+  TopkShape shape = table_shape<TopkShape>(batch, head_dims, fp8);
   for (const auto& [key, value] : batch_items(batch)) {
     if (key == "T") shape.num_tokens = value;
     if (key == "K") shape.topk = value;
-    if (key == "Hq") shape.num_q_heads = static_cast<int>(value);
-    if (key == "Hkv") shape.num_kv_heads = static_cast<int>(value);
   }
   return shape;
 }

@@ -10,6 +10,7 @@
 
 #include "../../csrc/kernels/mla/plan.h"
 #include "capability.h"
+#include "device_facts.h"
 #include "resolver.h"
 
 namespace astr::dispatch {
@@ -121,23 +122,8 @@ TEST(LatentCapability, TheMemoKeepsLatentAndPlainCallsApart) {
 namespace astr::kernels {
 namespace {
 
-DeviceFacts h100() {
-  DeviceFacts facts;
-  facts.arch = 90;
-  facts.num_sms = 132;
-  facts.max_smem_per_block = 232448;
-  facts.max_smem_per_sm = 233472;
-  return facts;
-}
-
-DeviceFacts a100() {
-  DeviceFacts facts;
-  facts.arch = 80;
-  facts.num_sms = 108;
-  facts.max_smem_per_block = 166912;
-  facts.max_smem_per_sm = 167936;
-  return facts;
-}
+using testing::sm80_facts;
+using testing::sm90_facts;
 
 MlaCallShape decode_shape(int64_t num_seqs, int64_t num_heads, int64_t max_seq_len) {
   MlaCallShape shape;
@@ -156,7 +142,7 @@ MlaCallShape prefill_shape(int64_t num_seqs, int64_t max_query_len, int64_t num_
 }
 
 TEST(MlaPlan, Sm90RunsTheTensorCoreKernelOverRowTilesOfTokensTimesHeads) {
-  const MlaPlan decode = plan_mla_attention(decode_shape(200, 128, 32768), h100());
+  const MlaPlan decode = plan_mla_attention(decode_shape(200, 128, 32768), sm90_facts());
   EXPECT_TRUE(decode.error.empty());
   EXPECT_EQ(decode.kernel, MlaKernel::kTensorCore);
   EXPECT_EQ(decode.row_tiles, 2);   // 128 heads of one token
@@ -168,10 +154,10 @@ TEST(MlaPlan, Sm90RunsTheTensorCoreKernelOverRowTilesOfTokensTimesHeads) {
   // two floats a row.
   EXPECT_EQ(decode.smem_bytes, (64 + 2 * 32) * 584 * 2 + 64 * 40 * 2 + 2 * 64 * 4);
   // s_q = 2 (a prefill of 2 new tokens): both tokens' heads share the tiles.
-  EXPECT_EQ(plan_mla_attention(prefill_shape(200, 2, 128, 32768), h100()).row_tiles, 4);
-  EXPECT_EQ(plan_mla_attention(prefill_shape(200, 2, 16, 32768), h100()).row_tiles, 1);
+  EXPECT_EQ(plan_mla_attention(prefill_shape(200, 2, 128, 32768), sm90_facts()).row_tiles, 4);
+  EXPECT_EQ(plan_mla_attention(prefill_shape(200, 2, 16, 32768), sm90_facts()).row_tiles, 1);
   // 24 heads: tiles cut across tokens (40 x 24 = 960 rows).
-  const MlaPlan prefill = plan_mla_attention(prefill_shape(3, 40, 24, 4096), h100());
+  const MlaPlan prefill = plan_mla_attention(prefill_shape(3, 40, 24, 4096), sm90_facts());
   EXPECT_EQ(prefill.kernel, MlaKernel::kTensorCore);
   EXPECT_EQ(prefill.row_tiles, 15);
   EXPECT_TRUE(prefill.poison_unplaced_rows);
@@ -180,50 +166,50 @@ TEST(MlaPlan, Sm90RunsTheTensorCoreKernelOverRowTilesOfTokensTimesHeads) {
 TEST(MlaPlan, TheFp8LatentAddsItsStagingTiles) {
   MlaCallShape shape = decode_shape(64, 128, 4096);
   shape.fp8 = true;
-  const MlaPlan plan = plan_mla_attention(shape, h100());
+  const MlaPlan plan = plan_mla_attention(shape, sm90_facts());
   EXPECT_EQ(plan.kernel, MlaKernel::kTensorCore);
   EXPECT_EQ(plan.smem_bytes, (64 + 2 * 32) * 584 * 2 + 64 * 40 * 2 + 2 * 64 * 4 + 2 * 32 * 512);
-  EXPECT_LE(plan.smem_bytes, h100().max_smem_per_block);
+  EXPECT_LE(plan.smem_bytes, sm90_facts().max_smem_per_block);
 }
 
 TEST(MlaPlan, SplitsFillTheSmsFromShapesAlone) {
   // One sequence of 16 heads: one row tile; splits up to the cap, each >= 256 positions of the
   // block table's capacity.
-  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 32768), h100()).num_splits, 64);
-  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 4096), h100()).num_splits, 16);
-  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 300), h100()).num_splits, 2);
-  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 200), h100()).num_splits, 1);
+  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 32768), sm90_facts()).num_splits, 64);
+  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 4096), sm90_facts()).num_splits, 16);
+  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 300), sm90_facts()).num_splits, 2);
+  EXPECT_EQ(plan_mla_attention(decode_shape(1, 16, 200), sm90_facts()).num_splits, 1);
   // 16 sequences of 128 heads: 32 blocks, 5 splits make 160 >= 132.
-  const MlaPlan plan = plan_mla_attention(decode_shape(16, 128, 32768), h100());
+  const MlaPlan plan = plan_mla_attention(decode_shape(16, 128, 32768), sm90_facts());
   EXPECT_EQ(plan.num_splits, 5);
   EXPECT_EQ(describe_plan(plan), "tensor_core/split x5");
-  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 32768), h100()).num_splits, 2);
-  EXPECT_EQ(plan_mla_attention(decode_shape(128, 128, 32768), h100()).num_splits, 1);
+  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 32768), sm90_facts()).num_splits, 2);
+  EXPECT_EQ(plan_mla_attention(decode_shape(128, 128, 32768), sm90_facts()).num_splits, 1);
 }
 
 TEST(MlaPlan, MoreTokensThanTheGridPlacesTakeOneSplitAndNoWorkspace) {
   // One sequence of at most 1 new token, 16 heads: the rule's 64 splits.
   MlaCallShape shape = prefill_shape(1, 1, 16, 32768);
   shape.num_tokens = 1;
-  EXPECT_EQ(plan_mla_attention(shape, h100()).num_splits, 64);
+  EXPECT_EQ(plan_mla_attention(shape, sm90_facts()).num_splits, 64);
   // 100000 tokens (bad metadata: the rows past max_query_len are poisoned): a workspace of
   // 64 x 100000 x 16 rows of 2 KiB would be 200 GiB.
   shape.num_tokens = 100000;
-  EXPECT_EQ(plan_mla_attention(shape, h100()).num_splits, 1);
+  EXPECT_EQ(plan_mla_attention(shape, sm90_facts()).num_splits, 1);
   KernelTuning tuning;
   ASSERT_EQ(parse_kernel_tuning("mla_splits=7", &tuning), "");
-  EXPECT_EQ(plan_mla_attention(shape, h100(), tuning).num_splits, 1);
+  EXPECT_EQ(plan_mla_attention(shape, sm90_facts(), tuning).num_splits, 1);
 }
 
 TEST(MlaPlan, TheSimpleKernelIsTheFallbackBelowSm90AndForGridsTooTall) {
-  const MlaPlan decode = plan_mla_attention(decode_shape(64, 128, 4096), a100());
+  const MlaPlan decode = plan_mla_attention(decode_shape(64, 128, 4096), sm80_facts());
   EXPECT_TRUE(decode.error.empty());
   EXPECT_EQ(decode.kernel, MlaKernel::kSimple);
   EXPECT_EQ(describe_plan(decode), "simple");
   EXPECT_EQ(decode.grid_rows, 64);
   EXPECT_EQ(decode.grid_heads, 8);
   EXPECT_FALSE(decode.poison_unplaced_rows);
-  const MlaPlan prefill = plan_mla_attention(prefill_shape(3, 40, 24, 4096), a100());
+  const MlaPlan prefill = plan_mla_attention(prefill_shape(3, 40, 24, 4096), sm80_facts());
   EXPECT_EQ(prefill.grid_rows, 120);
   EXPECT_EQ(prefill.grid_heads, 2);  // 16 + a partial group of 8
   EXPECT_TRUE(prefill.poison_unplaced_rows);
@@ -231,27 +217,27 @@ TEST(MlaPlan, TheSimpleKernelIsTheFallbackBelowSm90AndForGridsTooTall) {
   EXPECT_EQ(decode.smem_bytes, (16 + 16) * 577 * 4);
   EXPECT_LE(decode.smem_bytes, 99 * 1024);
   // sm_89 (99 KB a block) cannot hold the tensor-core tiles.
-  DeviceFacts ada = h100();
+  DeviceFacts ada = sm90_facts();
   ada.arch = 89;
   ada.max_smem_per_block = 101376;
   EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 4096), ada).kernel, MlaKernel::kSimple);
   // More than 65535 row tiles (a prefill of 40000 tokens x 128 heads) do not fit grid y.
-  EXPECT_EQ(plan_mla_attention(prefill_shape(1, 40000, 128, 65536), h100()).kernel,
+  EXPECT_EQ(plan_mla_attention(prefill_shape(1, 40000, 128, 65536), sm90_facts()).kernel,
             MlaKernel::kSimple);
 }
 
 TEST(MlaPlan, TheTuningForcesTheSimpleKernelOrASplitCount) {
   KernelTuning tuning;
   ASSERT_EQ(parse_kernel_tuning("mla_kernel=simple", &tuning), "");
-  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 4096), h100(), tuning).kernel,
+  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 4096), sm90_facts(), tuning).kernel,
             MlaKernel::kSimple);
   ASSERT_EQ(parse_kernel_tuning("mla_kernel=tensor_core,mla_splits=7", &tuning), "");
-  const MlaPlan plan = plan_mla_attention(decode_shape(200, 128, 4096), h100(), tuning);
+  const MlaPlan plan = plan_mla_attention(decode_shape(200, 128, 4096), sm90_facts(), tuning);
   EXPECT_EQ(plan.kernel, MlaKernel::kTensorCore);
   EXPECT_EQ(plan.num_splits, 7);
   EXPECT_EQ(describe_plan(plan), "tensor_core/split x7");
   // A preference: where the tensor-core kernel cannot run, the simple one does.
-  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 4096), a100(), tuning).kernel,
+  EXPECT_EQ(plan_mla_attention(decode_shape(64, 128, 4096), sm80_facts(), tuning).kernel,
             MlaKernel::kSimple);
   for (const char* bad : {"mla_kernel=fast", "mla_splits=0", "mla_splits=65"}) {
     KernelTuning unchanged = tuning;
@@ -292,7 +278,7 @@ TEST(MlaPlan, TheReadmesLatentKernelTableIsWhatThePlanPicks) {
   const auto rows = latent_table_rows();
   ASSERT_GE(rows.size(), 5u) << "no latent kernel table in " << ASTR_CSRC_README;
   for (const auto& row : rows) {
-    const DeviceFacts device = row[0].rfind("H100", 0) == 0 ? h100() : a100();
+    const DeviceFacts device = row[0].rfind("H100", 0) == 0 ? sm90_facts() : sm80_facts();
     MlaCallShape shape =
         decode_shape(value_after(row[4], "B"), std::stoll(row[1]), value_after(row[4], "L"));
     if (row[2] != "decode") {
@@ -308,8 +294,9 @@ TEST(MlaPlan, TheReadmesLatentKernelTableIsWhatThePlanPicks) {
 }
 
 TEST(MlaPlan, RefusesGridsItCannotLaunch) {
-  EXPECT_FALSE(plan_mla_attention(prefill_shape(1 << 20, 1 << 12, 16, 4096), a100()).error.empty());
-  EXPECT_FALSE(plan_mla_attention(prefill_shape(2, 0, 16, 4096), h100()).error.empty());
+  EXPECT_FALSE(
+      plan_mla_attention(prefill_shape(1 << 20, 1 << 12, 16, 4096), sm80_facts()).error.empty());
+  EXPECT_FALSE(plan_mla_attention(prefill_shape(2, 0, 16, 4096), sm90_facts()).error.empty());
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "config.h"
+#include "device_facts.h"
 #include "traits.h"
 
 namespace {
@@ -27,6 +28,8 @@ using astr::kernels::PrefillKernel;
 using astr::kernels::topk_table_slots;
 using astr::kernels::TopkPlan;
 using astr::kernels::TopkShape;
+using astr::kernels::testing::sm80_facts;
+using astr::kernels::testing::sm90_facts;
 
 constexpr int64_t kH200Slots = 132 * 2;
 constexpr int64_t pairs(int64_t batch, int64_t kv_heads = 8) { return batch * kv_heads; }
@@ -174,25 +177,6 @@ TEST(DecodeResidency, LaunchBoundsOnlyWhereRegistersWouldLimitResidency) {
 
 // ---- The plan ------------------------------------------------------------------------------
 
-DeviceFacts h200() {
-  DeviceFacts facts;
-  facts.arch = 90;
-  facts.num_sms = 132;
-  facts.max_smem_per_block = 227 * 1024;
-  facts.max_smem_per_sm = 228 * 1024;
-  facts.has_sm90a_code = true;
-  return facts;
-}
-
-DeviceFacts a100() {
-  DeviceFacts facts;
-  facts.arch = 80;
-  facts.num_sms = 108;
-  facts.max_smem_per_block = 163 * 1024;
-  facts.max_smem_per_sm = 164 * 1024;
-  return facts;
-}
-
 DecodeShape decode(int batch, int64_t length, int head_dim = 128, int kv_heads = 8,
                    int window_left = -1) {
   DecodeShape shape;
@@ -205,7 +189,7 @@ DecodeShape decode(int batch, int64_t length, int head_dim = 128, int kv_heads =
   return shape;
 }
 
-DecodePlan plan(const DecodeShape& shape, const DeviceFacts& device = h200(),
+DecodePlan plan(const DecodeShape& shape, const DeviceFacts& device = sm90_facts(),
                 const char* tuning = "") {
   KernelTuning parsed;
   EXPECT_EQ(astr::kernels::parse_kernel_tuning(tuning, &parsed), "");
@@ -244,7 +228,7 @@ TEST(DecodePlan, TwoSplitsAtOtherHeadDimsMergeInAClusterOnHopper) {
   // D = 256: 1 block per SM, so 2 splits fill one wave at B = 8 (64 pairs, 128 blocks).
   EXPECT_EQ(plan(decode(8, 4096, 256)).form, DecodeForm::kCluster);
   // Before sm_90 there are no clusters: the merge kernel (an A100 has 108 slots of 1 block).
-  const DecodePlan p = plan(decode(4, 4096, 256), a100());
+  const DecodePlan p = plan(decode(4, 4096, 256), sm80_facts());
   EXPECT_EQ(p.form, DecodeForm::kSplit);
   EXPECT_EQ(p.num_splits, 3);
   EXPECT_GT(p.workspace_floats, 0u);
@@ -295,8 +279,8 @@ TEST(DecodePlan, HeadDim512CountsItsColumnChunksAndNeedsSm90) {
   const DecodePlan p256 = plan(decode(1, 32768, 256));
   ASSERT_EQ(p512.error, "");
   EXPECT_EQ(p512.num_splits, (p256.num_splits + 1) / 2);
-  EXPECT_NE(plan(decode(1, 32768, 512), a100()).error.find("needs sm_90"), std::string::npos);
-  EXPECT_NE(astr::kernels::plan_paged_prefill(512, a100(), {}).error.find("needs sm_90"),
+  EXPECT_NE(plan(decode(1, 32768, 512), sm80_facts()).error.find("needs sm_90"), std::string::npos);
+  EXPECT_NE(astr::kernels::plan_paged_prefill(512, sm80_facts(), {}).error.find("needs sm_90"),
             std::string::npos);
 }
 
@@ -308,12 +292,12 @@ TEST(PrefillPlan, DifferentVHeadDimRunsMmaSyncReadingFp8) {
   dequantize_first.fp8_prefill = astr::kernels::Fp8Prefill::kDequantizeFirst;
   for (const KernelTuning& tuning : {KernelTuning{}, dequantize_first}) {
     const astr::kernels::PrefillPlan p =
-        astr::kernels::plan_paged_prefill(192, h200(), tuning, int64_t{1024}, {}, false, 128);
+        astr::kernels::plan_paged_prefill(192, sm90_facts(), tuning, int64_t{1024}, {}, false, 128);
     EXPECT_EQ(p.error, "");
     EXPECT_EQ(p.kernel, astr::kernels::PrefillKernel::kMmaSync);
     EXPECT_FALSE(p.dequantize_fp8_first);
   }
-  EXPECT_TRUE(astr::kernels::plan_paged_prefill(512, h200(), KernelTuning{}, int64_t{1024})
+  EXPECT_TRUE(astr::kernels::plan_paged_prefill(512, sm90_facts(), KernelTuning{}, int64_t{1024})
                   .dequantize_fp8_first);
 }
 
@@ -333,31 +317,32 @@ TEST(DecodePlan, AWindowBoundsTheSplitsByTheWindowNotTheTable) {
 }
 
 TEST(DecodePlan, ForcedFormsRunWhereTheyCanAndFallBackWhereTheyCannot) {
-  EXPECT_EQ(plan(decode(16, 2048), h200(), "decode_form=block_pairs").form,
+  EXPECT_EQ(plan(decode(16, 2048), sm90_facts(), "decode_form=block_pairs").form,
             DecodeForm::kBlockPairs);
-  EXPECT_EQ(plan(decode(16, 2048), h200(), "decode_form=cluster").form, DecodeForm::kCluster);
-  const DecodePlan split = plan(decode(16, 2048), h200(), "decode_form=split,decode_splits=2");
+  EXPECT_EQ(plan(decode(16, 2048), sm90_facts(), "decode_form=cluster").form, DecodeForm::kCluster);
+  const DecodePlan split =
+      plan(decode(16, 2048), sm90_facts(), "decode_form=split,decode_splits=2");
   EXPECT_EQ(split.form, DecodeForm::kSplit);
   EXPECT_EQ(split.num_splits, 2);
   EXPECT_GT(split.workspace_floats, 0u);
   const DecodePlan persistent =
-      plan(decode(4, 2048), h200(), "decode_form=persistent,persistent_blocks=3");
+      plan(decode(4, 2048), sm90_facts(), "decode_form=persistent,persistent_blocks=3");
   EXPECT_EQ(persistent.form, DecodeForm::kPersistent);
   EXPECT_EQ(persistent.persistent_blocks, 3);
   // No persistent kernel at D = 64: the automatic choice runs.
-  EXPECT_EQ(plan(decode(16, 2048, 64), h200(), "decode_form=persistent").form,
+  EXPECT_EQ(plan(decode(16, 2048, 64), sm90_facts(), "decode_form=persistent").form,
             plan(decode(16, 2048, 64)).form);
   // No cluster before sm_90.
-  EXPECT_EQ(plan(decode(16, 2048), a100(), "decode_form=cluster").form, DecodeForm::kSplit);
+  EXPECT_EQ(plan(decode(16, 2048), sm80_facts(), "decode_form=cluster").form, DecodeForm::kSplit);
 }
 
 TEST(DecodePlan, AForcedSplitCountKeepsItsCount) {
   for (int splits : {1, 3, 5, 32}) {
     const std::string tuning = "decode_splits=" + std::to_string(splits);
-    EXPECT_EQ(plan(decode(4, 8192), h200(), tuning.c_str()).num_splits, splits);
+    EXPECT_EQ(plan(decode(4, 8192), sm90_facts(), tuning.c_str()).num_splits, splits);
   }
   // 2 forced splits merge as the rule's 2 would, but are not replaced by eight-warp blocks.
-  EXPECT_EQ(plan(decode(16, 2048), h200(), "decode_splits=2").form, DecodeForm::kBlockPairs);
+  EXPECT_EQ(plan(decode(16, 2048), sm90_facts(), "decode_splits=2").form, DecodeForm::kBlockPairs);
 }
 
 TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
@@ -384,19 +369,19 @@ TEST(KernelTuning, ParsesEveryKeyAndRejectsWhatItCannotRead) {
 TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
   KernelTuning automatic;
   // D = 128 compiles both wgmma prefills: the warp-specialised one runs, the first when asked.
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, sm90_facts(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, sm90_facts(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, sm90_facts(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(256, h200(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(256, sm90_facts(), automatic).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, a100(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, sm80_facts(), automatic).kernel,
             PrefillKernel::kMmaSync);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, a100(), automatic).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, sm80_facts(), automatic).kernel,
             PrefillKernel::kMmaSync);
-  DeviceFacts no_sm90a = h200();
+  DeviceFacts no_sm90a = sm90_facts();
   no_sm90a.has_sm90a_code = false;
   EXPECT_EQ(astr::kernels::plan_paged_prefill(128, no_sm90a, automatic).kernel,
             PrefillKernel::kMmaSync);
@@ -404,23 +389,24 @@ TEST(PrefillPlan, TheWgmmaKernelTheHeadDimCompilesOnSm90aElseMmaSync) {
             PrefillKernel::kMmaSync);
   KernelTuning mma_sync;
   mma_sync.prefill_kernel = PrefillKernel::kMmaSync;
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), mma_sync).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, sm90_facts(), mma_sync).kernel,
             PrefillKernel::kMmaSync);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), mma_sync).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, sm90_facts(), mma_sync).kernel,
             PrefillKernel::kMmaSync);
   // A preference for a kernel the head dim does not compile gives the automatic choice.
   KernelTuning wgmma;
   wgmma.prefill_kernel = PrefillKernel::kWgmma;
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), wgmma).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, sm90_facts(), wgmma).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), wgmma).kernel, PrefillKernel::kWgmma);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), wgmma).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, sm90_facts(), wgmma).kernel,
+            PrefillKernel::kWgmma);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, sm90_facts(), wgmma).kernel,
             PrefillKernel::kWarpSpecialized);
   KernelTuning warp_specialized;
   warp_specialized.prefill_kernel = PrefillKernel::kWarpSpecialized;
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, h200(), warp_specialized).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(96, sm90_facts(), warp_specialized).kernel,
             PrefillKernel::kWarpSpecialized);
-  EXPECT_NE(astr::kernels::plan_paged_prefill(80, h200(), automatic).error, "");
+  EXPECT_NE(astr::kernels::plan_paged_prefill(80, sm90_facts(), automatic).error, "");
 }
 
 TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelReadsTheBytes) {
@@ -433,39 +419,40 @@ TEST(PrefillPlan, AnFp8CacheIsDequantizedFirstWithinTheScratchLimitElseAKernelRe
   };
   KernelTuning automatic;
   // A 16-bit cache has nothing to dequantize.
-  EXPECT_FALSE(first(128, h200(), automatic, std::nullopt));
+  EXPECT_FALSE(first(128, sm90_facts(), automatic, std::nullopt));
   // The wgmma prefill (D = 128 on sm_90a): dequantized first up to the limit, bytes beyond.
-  EXPECT_TRUE(first(128, h200(), automatic, 1));
-  EXPECT_TRUE(first(128, h200(), automatic, kFp8ScratchLimitBytes));
-  EXPECT_FALSE(first(128, h200(), automatic, kFp8ScratchLimitBytes + 1));
+  EXPECT_TRUE(first(128, sm90_facts(), automatic, 1));
+  EXPECT_TRUE(first(128, sm90_facts(), automatic, kFp8ScratchLimitBytes));
+  EXPECT_FALSE(first(128, sm90_facts(), automatic, kFp8ScratchLimitBytes + 1));
   // The mma.sync prefill (every head dim on the A100; D = 96 on the H200, where no wgmma kernel
   // reads FP8) reads the bytes too.
-  EXPECT_FALSE(first(96, h200(), automatic, kFp8ScratchLimitBytes * 8));
+  EXPECT_FALSE(first(96, sm90_facts(), automatic, kFp8ScratchLimitBytes * 8));
   EXPECT_EQ(
-      astr::kernels::plan_paged_prefill(96, h200(), automatic, kFp8ScratchLimitBytes * 8).kernel,
+      astr::kernels::plan_paged_prefill(96, sm90_facts(), automatic, kFp8ScratchLimitBytes * 8)
+          .kernel,
       PrefillKernel::kMmaSync);
-  EXPECT_FALSE(first(128, a100(), automatic, kFp8ScratchLimitBytes * 8));
-  EXPECT_TRUE(first(128, a100(), automatic, kFp8ScratchLimitBytes));
+  EXPECT_FALSE(first(128, sm80_facts(), automatic, kFp8ScratchLimitBytes * 8));
+  EXPECT_TRUE(first(128, sm80_facts(), automatic, kFp8ScratchLimitBytes));
   // The warp-specialised prefill (D = 64, 256 on the H200) reads 16-bit pages only: within the
   // limit it runs on dequantized pages, beyond it the mma.sync prefill reads the bytes.
   auto kernel = [](int head_dim, const KernelTuning& tuning, int64_t scratch) {
-    return astr::kernels::plan_paged_prefill(head_dim, h200(), tuning, scratch).kernel;
+    return astr::kernels::plan_paged_prefill(head_dim, sm90_facts(), tuning, scratch).kernel;
   };
-  EXPECT_TRUE(first(64, h200(), automatic, kFp8ScratchLimitBytes));
+  EXPECT_TRUE(first(64, sm90_facts(), automatic, kFp8ScratchLimitBytes));
   EXPECT_EQ(kernel(64, automatic, kFp8ScratchLimitBytes), PrefillKernel::kWarpSpecialized);
-  EXPECT_FALSE(first(256, h200(), automatic, kFp8ScratchLimitBytes + 1));
+  EXPECT_FALSE(first(256, sm90_facts(), automatic, kFp8ScratchLimitBytes + 1));
   EXPECT_EQ(kernel(256, automatic, kFp8ScratchLimitBytes + 1), PrefillKernel::kMmaSync);
   EXPECT_EQ(kernel(64, automatic, 0), PrefillKernel::kWarpSpecialized);
   // Forced either way.
   KernelTuning in_kernel;
   in_kernel.fp8_prefill = Fp8Prefill::kInKernel;
-  EXPECT_FALSE(first(128, h200(), in_kernel, 1));
+  EXPECT_FALSE(first(128, sm90_facts(), in_kernel, 1));
   EXPECT_EQ(kernel(128, in_kernel, 1), PrefillKernel::kWgmma);
-  EXPECT_FALSE(first(64, h200(), in_kernel, 1));
+  EXPECT_FALSE(first(64, sm90_facts(), in_kernel, 1));
   EXPECT_EQ(kernel(64, in_kernel, 1), PrefillKernel::kMmaSync);
   KernelTuning dequantize;
   dequantize.fp8_prefill = Fp8Prefill::kDequantizeFirst;
-  EXPECT_TRUE(first(128, h200(), dequantize, kFp8ScratchLimitBytes * 8));
+  EXPECT_TRUE(first(128, sm90_facts(), dequantize, kFp8ScratchLimitBytes * 8));
   EXPECT_EQ(kernel(64, dequantize, kFp8ScratchLimitBytes * 8), PrefillKernel::kWarpSpecialized);
   KernelTuning parsed;
   EXPECT_EQ(
@@ -482,28 +469,28 @@ TEST(PrefillPlan, TheWarpSpecializedKernelCopiesByTmaBoxesUnlessTunedToGather) {
     return astr::kernels::plan_paged_prefill(head_dim, device, tuning, fp8_scratch).pool_boxes;
   };
   KernelTuning automatic;
-  EXPECT_TRUE(boxes(64, h200(), automatic));
-  EXPECT_TRUE(boxes(64, h200(), automatic, 1));  // FP8 pages dequantized first: a 16-bit pool
-  EXPECT_TRUE(boxes(96, h200(), automatic));     // rows of one and a half column blocks
+  EXPECT_TRUE(boxes(64, sm90_facts(), automatic));
+  EXPECT_TRUE(boxes(64, sm90_facts(), automatic, 1));  // FP8 pages dequantized first: a 16-bit pool
+  EXPECT_TRUE(boxes(96, sm90_facts(), automatic));     // rows of one and a half column blocks
   // Only the warp-specialised kernel copies by boxes.
   KernelTuning wgmma;
   wgmma.prefill_kernel = PrefillKernel::kWgmma;
-  EXPECT_FALSE(boxes(128, h200(), wgmma));
-  EXPECT_FALSE(boxes(64, a100(), automatic));
-  EXPECT_FALSE(boxes(64, h200(), automatic, astr::kernels::kFp8ScratchLimitBytes + 1));
+  EXPECT_FALSE(boxes(128, sm90_facts(), wgmma));
+  EXPECT_FALSE(boxes(64, sm80_facts(), automatic));
+  EXPECT_FALSE(boxes(64, sm90_facts(), automatic, astr::kernels::kFp8ScratchLimitBytes + 1));
   KernelTuning gather;
   EXPECT_EQ(astr::kernels::parse_kernel_tuning("prefill_loads=cp_async", &gather), "");
   EXPECT_EQ(gather.prefill_loads, PrefillLoads::kCpAsync);
-  EXPECT_FALSE(boxes(64, h200(), gather));
+  EXPECT_FALSE(boxes(64, sm90_facts(), gather));
   KernelTuning tma;
   EXPECT_EQ(astr::kernels::parse_kernel_tuning("prefill_loads=tma", &tma), "");
-  EXPECT_TRUE(boxes(256, h200(), tma));
+  EXPECT_TRUE(boxes(256, sm90_facts(), tma));
   EXPECT_NE(astr::kernels::parse_kernel_tuning("prefill_loads=bulk", &tma), "");
 }
 
 TEST(PrefillPlan, BlocksGoInPanelsOfPairsWhoseKvFitsHalfTheL2) {
   using astr::kernels::PrefillKvFootprint;
-  DeviceFacts device = h200();
+  DeviceFacts device = sm90_facts();
   device.l2_cache_bytes = 50 << 20;
   auto panel = [&](int64_t pairs, int64_t positions, const KernelTuning& tuning = {}) {
     PrefillKvFootprint kv;
@@ -594,7 +581,7 @@ TEST(Verify, NeverRunsThePersistentDecodeWhichTakesOneTokenPerSequence) {
   EXPECT_EQ(plan(decode(48, 4096)).form, DecodeForm::kPersistent);
   EXPECT_NE(plan(verify(48, 4096, 1)).form, DecodeForm::kPersistent);  // a prefill-mode call
   EXPECT_NE(plan(verify(12, 4096, 4)).form, DecodeForm::kPersistent);
-  EXPECT_NE(plan(verify(12, 4096, 4), h200(), "decode_form=persistent").form,
+  EXPECT_NE(plan(verify(12, 4096, 4), sm90_facts(), "decode_form=persistent").form,
             DecodeForm::kPersistent);
 }
 
@@ -614,7 +601,7 @@ TopkShape topk_call(int64_t tokens, int64_t topk, int head_dim = 128, int kv_byt
 TopkPlan topk_plan(const TopkShape& shape, const char* tuning = "") {
   KernelTuning parsed;
   EXPECT_EQ(astr::kernels::parse_kernel_tuning(tuning, &parsed), "");
-  return astr::kernels::plan_paged_topk(shape, h200(), parsed);
+  return astr::kernels::plan_paged_topk(shape, sm90_facts(), parsed);
 }
 
 TEST(TopkPlan, FewTokensSplitTheirEntryTilesOverOneWaveAsADecodeSplitsItsKvTiles) {
@@ -651,7 +638,7 @@ TEST(TopkPlan, HeadDim512CountsItsColumnChunksAndNeedsSm90) {
   EXPECT_LT(plan.num_splits, topk_plan(topk_call(1, 2048, 256)).num_splits);
   EXPECT_EQ(plan.workspace_floats, static_cast<size_t>(plan.num_splits) * 1 * 32 * (512 + 1));
   KernelTuning none;
-  EXPECT_EQ(astr::kernels::plan_paged_topk(gemma_global, a100(), none).error,
+  EXPECT_EQ(astr::kernels::plan_paged_topk(gemma_global, sm80_facts(), none).error,
             "top-k: head_dim 512 needs sm_90 or newer");
 }
 
@@ -693,7 +680,7 @@ TEST(BatchInvariance, EveryDecodeRunsTheSplitFormWhateverTheBatch) {
   for (int batch : {1, 8, 16, 48, 64, 128}) {
     for (int head_dim : {64, 96, 128, 256}) {
       if (!astr::kernels::paged_head_dim_built(head_dim)) continue;
-      for (const DeviceFacts& device : {h200(), a100()}) {
+      for (const DeviceFacts& device : {sm90_facts(), sm80_facts()}) {
         const DecodePlan p = plan(invariant(decode(batch, 4096, head_dim)), device);
         EXPECT_EQ(p.error, "");
         EXPECT_EQ(p.form, DecodeForm::kSplit) << batch << " " << head_dim;
@@ -739,7 +726,7 @@ TEST(BatchInvariance, AWiderTableOnlyAddsSplitsPastTheNarrowerTablesOnes) {
 
 TEST(BatchInvariance, TheTuningSetsTheSplitSizeAndNoForm) {
   const DecodePlan p =
-      plan(invariant(decode(16, 4096)), h200(),
+      plan(invariant(decode(16, 4096)), sm90_facts(),
            "invariant_split_tiles=8,decode_form=eight_warps,decode_splits=1,persistent_blocks=3");
   EXPECT_EQ(p.form, DecodeForm::kSplit);
   EXPECT_EQ(p.split_tiles, 8);
@@ -765,17 +752,18 @@ TEST(BatchInvariance, AnFp8PrefillReadsTheBytesWhateverTheScratchWouldTake) {
     return astr::kernels::plan_paged_prefill(head_dim, device, tuning, scratch, {}, true);
   };
   for (int64_t scratch : {int64_t{1}, kFp8ScratchLimitBytes, kFp8ScratchLimitBytes * 8}) {
-    EXPECT_FALSE(prefill(128, h200(), scratch).dequantize_fp8_first);
-    EXPECT_EQ(prefill(128, h200(), scratch).kernel, PrefillKernel::kWgmma);
-    EXPECT_EQ(prefill(64, h200(), scratch).kernel, PrefillKernel::kMmaSync);
-    EXPECT_EQ(prefill(128, a100(), scratch).kernel, PrefillKernel::kMmaSync);
+    EXPECT_FALSE(prefill(128, sm90_facts(), scratch).dequantize_fp8_first);
+    EXPECT_EQ(prefill(128, sm90_facts(), scratch).kernel, PrefillKernel::kWgmma);
+    EXPECT_EQ(prefill(64, sm90_facts(), scratch).kernel, PrefillKernel::kMmaSync);
+    EXPECT_EQ(prefill(128, sm80_facts(), scratch).kernel, PrefillKernel::kMmaSync);
   }
   // A forced choice is the same for every batch: kept.
   KernelTuning dequantize;
   EXPECT_EQ(astr::kernels::parse_kernel_tuning("fp8_prefill=dequantize_first", &dequantize), "");
-  EXPECT_TRUE(prefill(128, h200(), kFp8ScratchLimitBytes * 8, dequantize).dequantize_fp8_first);
+  EXPECT_TRUE(
+      prefill(128, sm90_facts(), kFp8ScratchLimitBytes * 8, dequantize).dequantize_fp8_first);
   // A 16-bit cache's prefill kernel is the default mode's (it reads no batch size).
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), {}, std::nullopt, {}, true).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, sm90_facts(), {}, std::nullopt, {}, true).kernel,
             PrefillKernel::kWarpSpecialized);
 }
 
@@ -792,11 +780,11 @@ KernelTuning tuned(const char* text) {
 
 TEST(PrefillPlan, ThePersistentKernelRunsOnlyWhenTheTuningAsks) {
   for (int head_dim : {64, 96, 128, 256}) {
-    EXPECT_NE(astr::kernels::plan_paged_prefill(head_dim, h200(), KernelTuning{}).kernel,
+    EXPECT_NE(astr::kernels::plan_paged_prefill(head_dim, sm90_facts(), KernelTuning{}).kernel,
               PrefillKernel::kPersistent)
         << head_dim;
-    const astr::kernels::PrefillPlan p =
-        astr::kernels::plan_paged_prefill(head_dim, h200(), tuned("prefill_kernel=persistent"));
+    const astr::kernels::PrefillPlan p = astr::kernels::plan_paged_prefill(
+        head_dim, sm90_facts(), tuned("prefill_kernel=persistent"));
     EXPECT_EQ(p.kernel, PrefillKernel::kPersistent) << head_dim;
     EXPECT_EQ(p.persistent_blocks, 132);
     EXPECT_EQ(p.schedule, astr::kernels::PrefillSchedule::kClaimed);
@@ -804,7 +792,7 @@ TEST(PrefillPlan, ThePersistentKernelRunsOnlyWhenTheTuningAsks) {
     EXPECT_EQ(astr::kernels::describe_plan(p, false), "persistent x132");
   }
   const astr::kernels::PrefillPlan grid = astr::kernels::plan_paged_prefill(
-      128, h200(),
+      128, sm90_facts(),
       tuned("prefill_kernel=persistent,persistent_blocks=7,prefill_schedule=round_robin,"
             "prefill_loads=cp_async"));
   EXPECT_EQ(grid.persistent_blocks, 7);
@@ -815,30 +803,31 @@ TEST(PrefillPlan, ThePersistentKernelRunsOnlyWhenTheTuningAsks) {
 
 TEST(PrefillPlan, WhereThePersistentKernelCannotRunTheAutomaticChoiceDoes) {
   const KernelTuning persistent = tuned("prefill_kernel=persistent");
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, a100(), persistent).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, sm80_facts(), persistent).kernel,
             PrefillKernel::kMmaSync);
-  DeviceFacts no_sm90a = h200();
+  DeviceFacts no_sm90a = sm90_facts();
   no_sm90a.has_sm90a_code = false;
   EXPECT_EQ(astr::kernels::plan_paged_prefill(128, no_sm90a, persistent).kernel,
             PrefillKernel::kMmaSync);
   // Not compiled for 192/128 nor 512 (config.h).
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(192, h200(), persistent, std::nullopt, {}, false, 128)
-                .kernel,
+  EXPECT_EQ(
+      astr::kernels::plan_paged_prefill(192, sm90_facts(), persistent, std::nullopt, {}, false, 128)
+          .kernel,
+      PrefillKernel::kMmaSync);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(512, sm90_facts(), persistent).kernel,
             PrefillKernel::kMmaSync);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(512, h200(), persistent).kernel,
-            PrefillKernel::kMmaSync);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(512, h200(), persistent).persistent_blocks, 0);
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(512, sm90_facts(), persistent).persistent_blocks, 0);
   // An FP8 cache: on dequantized pages it runs; reading the bytes, the wgmma kernel at D = 128
   // (it reads 16-bit pages only), the mma.sync one at D = 64.
   const astr::kernels::PrefillPlan dequantized =
-      astr::kernels::plan_paged_prefill(128, h200(), persistent, int64_t{1024});
+      astr::kernels::plan_paged_prefill(128, sm90_facts(), persistent, int64_t{1024});
   EXPECT_EQ(dequantized.kernel, PrefillKernel::kPersistent);
   EXPECT_EQ(astr::kernels::describe_plan(dequantized, true),
             "persistent x132 on dequantized pages");
   const KernelTuning in_kernel = tuned("prefill_kernel=persistent,fp8_prefill=in_kernel");
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, h200(), in_kernel, int64_t{1024}).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(128, sm90_facts(), in_kernel, int64_t{1024}).kernel,
             PrefillKernel::kWgmma);
-  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, h200(), in_kernel, int64_t{1024}).kernel,
+  EXPECT_EQ(astr::kernels::plan_paged_prefill(64, sm90_facts(), in_kernel, int64_t{1024}).kernel,
             PrefillKernel::kMmaSync);
 }
 
