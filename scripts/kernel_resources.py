@@ -82,8 +82,16 @@ def parse(report: str):
 
 
 def short(name: str) -> str:
+    """The demangled name without namespaces and without its parameter list: the last
+    parenthesised group only, so that template arguments such as `(Softcap)1` stay and each
+    instantiation keeps a line of its own."""
     name = re.sub(r"astr::kernels::", "", name)
-    name = re.sub(r"\(.*\)$", "", name)
+    if name.endswith(")"):
+        depth = 0
+        for i in range(len(name) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(name[i], 0)
+            if depth == 0:
+                return name[:i]
     return name
 
 
