@@ -51,20 +51,6 @@ def attend(q, kwargs):
     return lambda: torch.ops.astr.attention(q, **kwargs)
 
 
-def with_tuning(text, fn):
-    """fn under the kernel tuning `text` (plan.h), the previous tuning restored after."""
-
-    def call():
-        previous = torch.ops.astr.kernel_tuning()
-        torch.ops.astr.set_kernel_tuning(text)
-        try:
-            return fn()
-        finally:
-            torch.ops.astr.set_kernel_tuning(previous)
-
-    return call
-
-
 def decode_bytes(batch, length, kv_bytes):
     return batch * length * HKV * D * 2 * kv_bytes + 2 * batch * HQ * D * 2
 
@@ -133,7 +119,7 @@ def main() -> int:
         fns = {
             "bf16": attend(q, call),
             "fp8": attend(q, fp8_call),
-            "fp8_in_kernel": with_tuning("fp8_prefill=in_kernel", attend(q, fp8_call)),
+            "fp8_in_kernel": harness.under_tuning("fp8_prefill=in_kernel", attend(q, fp8_call)),
         }
         times = timer.measure_interleaved(list(fns.values()))
         us = {name: t["ms"] * 1e3 for name, t in zip(fns, times)}

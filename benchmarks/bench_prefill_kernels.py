@@ -31,16 +31,7 @@ import astrai.extension  # noqa: E402,F401
 
 def tuned(make, tuning):
     def make_tuned(problem):
-        fn = make(problem)
-
-        def call():
-            torch.ops.astr.set_kernel_tuning(tuning)
-            try:
-                return fn()
-            finally:
-                torch.ops.astr.set_kernel_tuning("")
-
-        return call
+        return harness.under_tuning(tuning, make(problem))
 
     return make_tuned
 

@@ -42,6 +42,21 @@ def ms_to_s(ms: float) -> float:
     return ms / 1e3
 
 
+def under_tuning(text: str, fn: Callable) -> Callable:
+    """fn run under astrai's kernel tuning `text` (plan.h), the previous tuning restored after:
+    two forms of one op timed side by side in one process."""
+
+    def call():
+        previous = torch.ops.astr.kernel_tuning()
+        torch.ops.astr.set_kernel_tuning(text)
+        try:
+            return fn()
+        finally:
+            torch.ops.astr.set_kernel_tuning(previous)
+
+    return call
+
+
 # --------------------------------------------------------------------------------------------
 # Counting: bytes and FLOPs
 # --------------------------------------------------------------------------------------------

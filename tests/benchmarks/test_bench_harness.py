@@ -2,7 +2,9 @@
 
 import pytest
 import torch
-from harness import Runner, Timer, median_round, summarize_times
+from harness import Runner, Timer, median_round, summarize_times, under_tuning
+
+import astrai.extension  # noqa: F401  (the kernel-tuning ops)
 
 
 def test_median_round_takes_the_upper_median_and_its_rate():
@@ -56,3 +58,24 @@ def test_the_runner_times_what_matches_and_records_what_does_not():
     # A looser tolerance (an FP8 peer's) passes what the default one flags.
     loose = runner.run(dict(peer="loose"), wrong, lambda out: out, ref, tolerance=10.0)
     assert loose["verified"]
+
+
+def test_under_tuning_runs_the_call_under_its_tuning_and_restores_the_previous_one():
+    seen = []
+    torch.ops.astr.set_kernel_tuning("verify_form=never")
+    try:
+        call = under_tuning(
+            "prefill_kernel=mma_sync", lambda: seen.append(torch.ops.astr.kernel_tuning())
+        )
+        call()
+        assert seen == ["prefill_kernel=mma_sync"]
+        assert torch.ops.astr.kernel_tuning() == "verify_form=never"
+
+        def fails():
+            raise RuntimeError("the call raised")
+
+        with pytest.raises(RuntimeError, match="the call raised"):
+            under_tuning("prefill_kernel=mma_sync", fails)()
+        assert torch.ops.astr.kernel_tuning() == "verify_form=never"
+    finally:
+        torch.ops.astr.set_kernel_tuning("")
