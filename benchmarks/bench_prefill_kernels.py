@@ -29,13 +29,6 @@ import peers  # noqa: E402
 import astrai.extension  # noqa: E402,F401
 
 
-def tuned(make, tuning):
-    def make_tuned(problem):
-        return harness.under_tuning(tuning, make(problem))
-
-    return make_tuned
-
-
 def shapes(dims, quick):
     rows = []
     if 128 in dims:
@@ -77,7 +70,9 @@ def main():
         make = peers.astrai_attention("cuda", 16)
         # "+" joins the keys of one tuning (the list itself is comma-separated).
         keys = tuning.replace("+", ",")
-        columns.append((f"astrai[{tuning}]", make if tuning == "auto" else tuned(make, keys)))
+        columns.append(
+            (f"astrai[{tuning}]", make if tuning == "auto" else peers.under_tuning(make, keys))
+        )
     for name in filter(None, args.peers.split(",")):
         if name.startswith("flashinfer") and peers.flashinfer_missing():
             print("skip", name, peers.flashinfer_missing())

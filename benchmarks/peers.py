@@ -49,6 +49,7 @@ from harness import (
     free_cached,
     query_start_loc,
 )
+from harness import under_tuning as call_under_tuning
 
 FP8_TOLERANCE = 1e-1  # e4m3 keeps 3 mantissa bits: ~4% rounding per element before any math
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -215,17 +216,7 @@ def under_tuning(make: Callable[[AttentionProblem], Callable], tuning: str):
     tuning restored after (a few microseconds of host time a call: prefill peers only)."""
 
     def make_tuned(problem: AttentionProblem) -> Callable:
-        fn = make(problem)
-
-        def call():
-            previous = torch.ops.astr.kernel_tuning()
-            torch.ops.astr.set_kernel_tuning(tuning)
-            try:
-                return fn()
-            finally:
-                torch.ops.astr.set_kernel_tuning(previous)
-
-        return call
+        return call_under_tuning(tuning, make(problem))
 
     return make_tuned
 
