@@ -7,8 +7,9 @@ timing (benchmarks/harness.py: CUDA events, L2 emptied before each run, medians)
     FlashInfer's prefill wrapper with the same tree as a custom mask over the same pool (target:
     astrai at least 1.2x faster), where FlashInfer imports;
   - batch-invariant mode against the default: decode (B = 1 L = 32768; B = 16, 64 L = 4096;
-    B = 128 L = 2048; targets: within 15% at B = 1, 5% from B = 16), a ragged prefill with cached
-    prefixes, and the same prefill over an FP8 cache.
+    B = 128 L = 2048; targets: within 15% at B = 1, 5% from B = 16), with the mode's split size
+    and twice it (invariant_split_tiles=32), a ragged prefill with cached prefixes, and the same
+    prefill over an FP8 cache.
 
     python3 benchmarks/bench_serving.py [--out DIR] [--repeats N]
 
@@ -44,14 +45,6 @@ def tree_of_drafts(parents):
 def binary_tree(drafts: int):
     """Draft i follows draft (i - 1) // 2: two candidates per step."""
     return tree_of_drafts([(i - 1) // 2 for i in range(drafts)])
-
-
-def with_tuning(tuning: str, fn):
-    def call():
-        torch.ops.astr.set_kernel_tuning(tuning)
-        return fn()
-
-    return call
 
 
 def with_mode(invariant: bool, fn):
@@ -140,16 +133,15 @@ def main() -> int:
                 verify, decode, flashinfer_call = verify_case(batch, length, drafts)
                 names = ["decode (1 token)", "verify", "verify on the prefill"]
                 fns = [
-                    with_tuning("", decode),
-                    with_tuning("", verify),
-                    with_tuning("verify_form=never", verify),
+                    decode,
+                    verify,
+                    harness.under_tuning("verify_form=never", verify),
                 ]
                 if flashinfer_call is not None:
                     names.append("flashinfer custom mask")
                     fns.append(flashinfer_call)
                 compare(f"B={batch} L={length} Q={drafts}", names, fns)
                 harness.free_cached()
-    torch.ops.astr.set_kernel_tuning("")
 
     for batch, length in ((1, 32768), (16, 4096), (64, 4096), (128, 2048)):
         q, call_args = harness.uniform_decode_call(batch, length, HQ, HKV, D)
@@ -157,10 +149,15 @@ def main() -> int:
         def decode(q=q, call_args=call_args):
             return torch.ops.astr.attention(q, **call_args, is_causal=True, backend="cuda")
 
+        # The mode's splits of kInvariantSplitTiles (plan.h) and of twice as many tiles.
         compare(
             f"decode B={batch} L={length}",
-            ["default", "batch-invariant"],
-            [with_mode(False, decode), with_mode(True, decode)],
+            ["default", "batch-invariant", "batch-invariant, 32-tile splits"],
+            [
+                with_mode(False, decode),
+                with_mode(True, decode),
+                with_mode(True, harness.under_tuning("invariant_split_tiles=32", decode)),
+            ],
         )
         harness.free_cached()
     prefixes, chunks = harness.ragged_mix(0, 8, (0, 4096), (256, 2048))
